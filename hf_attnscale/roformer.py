@@ -1,0 +1,51 @@
+"""RoFormer self-attention, which computes its scores inline instead of using the AttentionInterface.
+
+The replacement keeps RoFormer's projections and rotary step and hands the rest to `scaled_attention`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import STATE_NAME, scaled_attention
+
+
+def _roformer_eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """RoFormer's own score computation, in the AttentionInterface signature."""
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    probs = nn.functional.softmax(scores, dim=-1)
+    probs = nn.functional.dropout(probs, p=dropout, training=module.training)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+
+
+def roformer_self_attention_forward(
+    self, hidden_states, attention_mask=None, sinusoidal_pos=None, encoder_hidden_states=None,
+    past_key_values=None, output_attentions=False, **kwargs,
+):
+    """Patched `RoFormerSelfAttention.forward` (self-attention; cross-attention runs unpatched)."""
+    if encoder_hidden_states is not None:
+        return type(self).forward(
+            self, hidden_states, attention_mask, sinusoidal_pos, encoder_hidden_states,
+            past_key_values, output_attentions, **kwargs,
+        )
+    hidden_shape = (*hidden_states.shape[:-1], -1, self.attention_head_size)
+    query = self.query(hidden_states).view(hidden_shape).transpose(1, 2)
+    key = self.key(hidden_states).view(hidden_shape).transpose(1, 2)
+    value = self.value(hidden_states).view(hidden_shape).transpose(1, 2)
+    if sinusoidal_pos is not None:
+        rotated = self.apply_rotary_position_embeddings(
+            sinusoidal_pos, query, key, value if self.rotary_value else None
+        )
+        query, key = rotated[0], rotated[1]
+        value = rotated[2] if self.rotary_value else value
+    if past_key_values is not None:
+        cache = getattr(past_key_values, "self_attention_cache", past_key_values)
+        key, value = cache.update(key, value, self.layer_idx)
+    out, probs = scaled_attention(
+        self._modules[STATE_NAME], "eager", _roformer_eager, self, query, key, value, attention_mask,
+        scaling=self.attention_head_size**-0.5, dropout=self.dropout.p, is_causal=self.is_decoder,
+    )
+    return out.reshape(*hidden_states.shape[:-1], self.all_head_size), probs
