@@ -46,6 +46,8 @@ class AttnScaleState(nn.Module):
         )
         self.query_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
         """Set for the duration of a call by the streaming forward to rotate queries into cache slots."""
+        self.output_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """Set with ``query_hook``: maps the attention output ``(B, Tq, H, Dv)`` (the streaming forward pads Dv)."""
 
     def sink_logits(self, device: torch.device) -> torch.Tensor:
         """The exit logit of each head, float32 ``(H,)``."""
@@ -90,7 +92,8 @@ def _make_wrapper(inner: str) -> AttentionFn:
         fn = _inner_function(module, inner)
         if state is None:  # e.g. cross-attention modules of a patched model
             return fn(module, query, key, value, attention_mask, **kwargs)
-        return scaled_attention(state, inner, fn, module, query, key, value, attention_mask, **kwargs)
+        out, weights = scaled_attention(state, inner, fn, module, query, key, value, attention_mask, **kwargs)
+        return (out if state.output_hook is None else state.output_hook(out)), weights
 
     hfa_attention_forward.__name__ = f"hfa_{inner}_attention_forward"
     return hfa_attention_forward

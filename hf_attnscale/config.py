@@ -42,15 +42,21 @@ class AttnScaleConfig:
 
     def __post_init__(self) -> None:
         if self.scale not in SCALES:
-            raise ValueError(f"Unknown scale {self.scale!r}; valid scales are {', '.join(map(repr, SCALES))}.")
+            raise ValueError(
+                f"Unknown scale {self.scale!r}; valid scales are {', '.join(map(repr, SCALES))}."
+            )
         if self.scale == "none":
             if self.train_length is not None:
-                raise ValueError("train_length only applies with a scale; pass scale='logn', 'ssmax' or 'gradmax'.")
+                raise ValueError(
+                    "train_length only applies with a scale; pass scale='logn', 'ssmax' or 'gradmax'."
+                )
             if self.clamp is not None:
                 raise ValueError("clamp only applies with a scale; pass scale='logn', 'ssmax' or 'gradmax'.")
         else:
             if isinstance(self.train_length, bool) or not isinstance(self.train_length, int):
-                raise ValueError(f"scale={self.scale!r} needs train_length, an int >= 2 (the trained context length).")
+                raise ValueError(
+                    f"scale={self.scale!r} needs train_length, an int >= 2 (the trained context length)."
+                )
             if self.train_length < 2:
                 raise ValueError(f"train_length must be an int >= 2, got {self.train_length}.")
             if self.clamp is None:
@@ -65,8 +71,14 @@ class AttnScaleConfig:
                 raise ValueError(f"sink_logit must be a finite float, 'learnable' or None, got {sink!r}.")
             object.__setattr__(self, "sink_logit", float(sink))
         if self.zero_kv and sink is not None:
-            what = "a learnable sink (it starts at 0, which is zero_kv)" if sink == "learnable" else "a sink logit"
-            raise ValueError(f"zero_kv=True cannot be combined with {what}: zero_kv is sink_logit=0.0; pass one.")
+            what = (
+                "a learnable sink (it starts at 0, which is zero_kv)"
+                if sink == "learnable"
+                else "a sink logit"
+            )
+            raise ValueError(
+                f"zero_kv=True cannot be combined with {what}: zero_kv is sink_logit=0.0; pass one."
+            )
 
     @property
     def has_exit(self) -> bool:
@@ -93,7 +105,9 @@ class AttnScaleConfig:
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         unknown = sorted(set(data) - set(known))
         if unknown:
-            raise ValueError(f"Unknown attn_scale config keys {unknown}; known keys: {sorted(cls.__dataclass_fields__)}.")
+            raise ValueError(
+                f"Unknown attn_scale config keys {unknown}; known keys: {sorted(cls.__dataclass_fields__)}."
+            )
         return cls(**known)
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from .attention import STATE_NAME, AttnScaleState, backend_name, inner_backend, register_backend
 from .config import CONFIG_KEY, AttnScaleConfig, ScaleName, SinkLogit, read_saved_config
-from .families import Family, attention_modules, family_for
+from .families import attention_modules, family_for
 
 M = TypeVar("M", bound=nn.Module)
 SUPPORTED_BACKENDS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -54,8 +54,13 @@ def patch(
     Example:
         >>> hfa.patch(model, scale="logn", train_length=4096, zero_kv=True)
     """
-    options = {"scale": scale, "train_length": train_length, "clamp": clamp, "zero_kv": zero_kv,
-               "sink_logit": sink_logit}
+    options = {
+        "scale": scale,
+        "train_length": train_length,
+        "clamp": clamp,
+        "zero_kv": zero_kv,
+        "sink_logit": sink_logit,
+    }
     given = {k: v for k, v in options.items() if v is not None}
     if config is not None and given:
         raise ValueError(f"Pass either config= or individual options, not both (got {sorted(given)}).")
@@ -67,10 +72,14 @@ def patch(
     family = family_for(base.config.model_type)
     modules = attention_modules(base, family)
     if not modules:
-        raise ValueError(f"No attention modules of {family.attention_classes} found in this {type(base).__name__}.")
+        raise ValueError(
+            f"No attention modules of {family.attention_classes} found in this {type(base).__name__}."
+        )
     inner = inner_backend(base.config._attn_implementation or "eager")
     if inner not in SUPPORTED_BACKENDS:
-        raise ValueError(f"Attention backend {inner!r} is not supported; supported: {', '.join(SUPPORTED_BACKENDS)}.")
+        raise ValueError(
+            f"Attention backend {inner!r} is not supported; supported: {', '.join(SUPPORTED_BACKENDS)}."
+        )
 
     num_heads = base.config.num_attention_heads
     states = [_new_state(config, num_heads, m) for m in modules]
@@ -143,8 +152,12 @@ def unpatch(model: M) -> M:
     _restore(
         base,
         modules,
-        {"impl": inner_backend(base.config._attn_implementation), "saved": None,
-         "states": [None] * len(modules), "forwards": [None] * len(modules)},
+        {
+            "impl": inner_backend(base.config._attn_implementation),
+            "saved": None,
+            "states": [None] * len(modules),
+            "forwards": [None] * len(modules),
+        },
     )
     return model
 
@@ -160,8 +173,13 @@ def get_config(model: nn.Module) -> AttnScaleConfig | None:
 
 def _load_saved_parameters(model: nn.Module, modules: list[nn.Module], states: list[AttnScaleState]) -> None:
     """Copy learned ``hfa.*`` parameters from the checkpoint the model was loaded from, if there are any."""
-    wanted = {f"{name}.{STATE_NAME}.{p}": (state, p) for name, m in model.named_modules()
-              for state, mod in zip(states, modules) if mod is m for p, _ in state.named_parameters()}
+    wanted = {
+        f"{name}.{STATE_NAME}.{p}": (state, p)
+        for name, m in model.named_modules()
+        for state, mod in zip(states, modules)
+        if mod is m
+        for p, _ in state.named_parameters()
+    }
     if not wanted:
         return
     tensors = _checkpoint_tensors(getattr(model.config, "_name_or_path", ""), set(wanted))
@@ -179,14 +197,21 @@ def _checkpoint_tensors(path: str, keys: set[str]) -> dict[str, torch.Tensor]:
     if not directory.is_dir():
         return {}
     index = directory / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.exists()
+        else ["model.safetensors"]
+    )
     found: dict[str, torch.Tensor] = {}
     for file in files:
         if not (directory / file).exists():
             continue
         with safe_open(str(directory / file), framework="pt") as handle:
             for stored in handle.keys():  # noqa: SIM118 - safe_open is not a dict
-                match = next((k for k in keys if stored == k or stored.endswith("." + k) or k.endswith("." + stored)), None)
+                match = next(
+                    (k for k in keys if stored == k or stored.endswith("." + k) or k.endswith("." + stored)),
+                    None,
+                )
                 if match is not None:
                     found[match] = handle.get_tensor(stored)
     return found

@@ -22,14 +22,26 @@ def _roformer_eager(module, query, key, value, attention_mask, scaling, dropout=
 
 
 def roformer_self_attention_forward(
-    self, hidden_states, attention_mask=None, sinusoidal_pos=None, encoder_hidden_states=None,
-    past_key_values=None, output_attentions=False, **kwargs,
+    self,
+    hidden_states,
+    attention_mask=None,
+    sinusoidal_pos=None,
+    encoder_hidden_states=None,
+    past_key_values=None,
+    output_attentions=False,
+    **kwargs,
 ):
     """Patched `RoFormerSelfAttention.forward` (self-attention; cross-attention runs unpatched)."""
     if encoder_hidden_states is not None:
         return type(self).forward(
-            self, hidden_states, attention_mask, sinusoidal_pos, encoder_hidden_states,
-            past_key_values, output_attentions, **kwargs,
+            self,
+            hidden_states,
+            attention_mask,
+            sinusoidal_pos,
+            encoder_hidden_states,
+            past_key_values,
+            output_attentions,
+            **kwargs,
         )
     hidden_shape = (*hidden_states.shape[:-1], -1, self.attention_head_size)
     query = self.query(hidden_states).view(hidden_shape).transpose(1, 2)
@@ -45,7 +57,16 @@ def roformer_self_attention_forward(
         cache = getattr(past_key_values, "self_attention_cache", past_key_values)
         key, value = cache.update(key, value, self.layer_idx)
     out, probs = scaled_attention(
-        self._modules[STATE_NAME], "eager", _roformer_eager, self, query, key, value, attention_mask,
-        scaling=self.attention_head_size**-0.5, dropout=self.dropout.p, is_causal=self.is_decoder,
+        self._modules[STATE_NAME],
+        "eager",
+        _roformer_eager,
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        scaling=self.attention_head_size**-0.5,
+        dropout=self.dropout.p,
+        is_causal=self.is_decoder,
     )
     return out.reshape(*hidden_states.shape[:-1], self.all_head_size), probs

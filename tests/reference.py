@@ -1,0 +1,126 @@
+"""A plain, obviously correct eager implementation of every attention variant, for the tests.
+
+It materialises the scores, multiplies them by the law of n (n = visible keys counted from a dense mask),
+appends the exit column, and takes a softmax. It shares no code with hf_attnscale.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+from transformers.modeling_utils import AttentionInterface
+
+REF_NAME = "hfa_test_reference"
+
+
+def law(
+    scale: str, n: torch.Tensor, train_length: int, clamp: bool, slope: torch.Tensor | None
+) -> torch.Tensor:
+    """Query multiplier written straight from the formulas (n: (B,1,Tq) -> (B,1|H,Tq))."""
+    n = n.clamp_min(1.0)
+    if scale == "logn":
+        m = torch.log(n) / math.log(train_length)
+    elif scale == "gradmax":
+        m = torch.sqrt(torch.log(n) / math.log(train_length))
+    elif scale == "ssmax":
+        m = slope.view(1, -1, 1) * torch.log(n)
+    else:
+        return torch.ones_like(n)
+    return torch.maximum(m, torch.ones_like(m)) if clamp else m
+
+
+def reference_attention(
+    q, k, v, visible, scaling, *, scale="none", train_length=None, clamp=False, slope=None, sink=None
+):
+    """q (B,H,Tq,D), k/v (B,Hkv,Tk,D), visible bool broadcastable to (B,H,Tq,Tk). Returns (B,H,Tq,D)."""
+    heads = q.shape[1]
+    k = k.repeat_interleave(heads // k.shape[1], dim=1)
+    v = v.repeat_interleave(heads // v.shape[1], dim=1)
+    visible = visible.expand(q.shape[0], heads, q.shape[2], k.shape[2])
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scaling
+    if scale != "none":
+        n = visible.float().sum(-1)
+        scores = scores * law(scale, n, train_length, clamp, slope).unsqueeze(-1)
+    scores = scores.masked_fill(~visible, -math.inf)
+    values = v.float()
+    if sink is not None:
+        column = sink.float().view(1, -1, 1, 1).expand(q.shape[0], heads, q.shape[2], 1)
+        scores = torch.cat([scores, column], dim=-1)
+        values = torch.cat([values, torch.zeros_like(values[:, :, :1])], dim=2)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(
+        0.0
+    )  # a fully masked row without an exit attends nowhere
+    return torch.matmul(probs, values).to(q.dtype)
+
+
+class ReferencePatch:
+    """Per-layer reference parameters and options for `reference_forward` (set on the module as `hfa_ref`)."""
+
+    def __init__(
+        self,
+        scale="none",
+        train_length=None,
+        clamp=None,
+        zero_kv=False,
+        sink_logit=None,
+        heads=4,
+        sink_init=0.0,
+        slope_init=None,
+    ):
+        self.scale, self.train_length = scale, train_length
+        self.clamp = (scale != "ssmax") if clamp is None else clamp
+        self.slope = torch.nn.Parameter(torch.full((heads,), slope_init or 1 / math.log(train_length or 2)))
+        if zero_kv:
+            self.sink = torch.zeros(heads)
+        elif sink_logit == "learnable":
+            self.sink = torch.nn.Parameter(torch.full((heads,), float(sink_init)))
+        elif sink_logit is not None:
+            self.sink = torch.full((heads,), float(sink_logit))
+        else:
+            self.sink = None
+
+
+def reference_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """AttentionInterface-compatible reference: reads its options from ``module.hfa_ref``."""
+    ref: ReferencePatch = module.hfa_ref
+    q_len, k_len = query.shape[2], key.shape[2]
+    if attention_mask is None:
+        causal = getattr(module, "is_causal", False) and q_len > 1
+        visible = (
+            torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
+            if causal
+            else torch.ones(q_len, k_len, dtype=torch.bool)
+        )
+        visible = visible.view(1, 1, q_len, k_len)
+    else:
+        visible = attention_mask[..., :k_len] > torch.finfo(attention_mask.dtype).min / 2
+    out = reference_attention(
+        query,
+        key,
+        value,
+        visible,
+        scaling if scaling is not None else query.shape[-1] ** -0.5,
+        scale=ref.scale,
+        train_length=ref.train_length,
+        clamp=ref.clamp,
+        slope=ref.slope,
+        sink=ref.sink,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(REF_NAME, reference_forward)
+AttentionMaskInterface.register(REF_NAME, eager_mask)
+
+
+def make_reference(model, attention_classes, **patch_kwargs):
+    """Turn ``model`` (unpatched) into the reference: every attention module computes `reference_forward`."""
+    model.config._attn_implementation = REF_NAME
+    refs = []
+    for module in model.modules():
+        if type(module).__name__ in attention_classes:
+            module.hfa_ref = ReferencePatch(heads=model.config.num_attention_heads, **patch_kwargs)
+            refs.append(module.hfa_ref)
+    return refs

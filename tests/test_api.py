@@ -1,0 +1,210 @@
+"""Public API contract: validation, errors, atomic patching, visible-key counting, fast-path preservation."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+from conftest import VOCAB, tiny_model
+from reference import reference_attention
+from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.modeling_utils import AttentionInterface
+
+import hf_attnscale as hfa
+from hf_attnscale import attention
+from hf_attnscale.attention import fused_sink_attention_cpu, visible_key_counts
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"scale": "cube"}, "valid scales are 'none', 'logn', 'ssmax', 'gradmax'"),
+        ({"scale": "logn"}, "needs train_length"),
+        ({"scale": "logn", "train_length": 1}, "train_length must be an int >= 2"),
+        ({"clamp": True}, "clamp only applies with a scale"),
+        ({"train_length": 512}, "train_length only applies with a scale"),
+        ({"sink_logit": float("inf")}, "sink_logit must be a finite float"),
+        ({"sink_logit": float("nan")}, "sink_logit must be a finite float"),
+        ({"sink_logit": "big"}, "sink_logit must be a finite float, 'learnable' or None"),
+        (
+            {"zero_kv": True, "sink_logit": "learnable"},
+            "zero_kv=True cannot be combined with a learnable sink",
+        ),
+        ({"zero_kv": True, "sink_logit": 1.0}, "zero_kv=True cannot be combined with a sink logit"),
+        ({"zero_kv": 1}, "zero_kv must be True or False"),
+    ],
+)
+def test_bad_options_raise_value_error(options, message):
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        hfa.patch(model, **options)
+    assert hfa.get_config(model) is None and model.config._attn_implementation == "sdpa"
+
+
+def test_unsupported_model_names_supported_types():
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match=r"does not support model_type 'gpt2'.*llama.*mistral.*roformer"):
+        hfa.patch(model, scale="logn", train_length=8)
+    assert "gpt2" not in hfa.supported_model_types() and "qwen3" in hfa.supported_model_types()
+
+
+def test_failed_patch_leaves_model_untouched(monkeypatch):
+    model = tiny_model("llama")
+    hfa.patch(model, scale="logn", train_length=4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(3, VOCAB, (1, 9))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    calls = []
+
+    def explode(module, model):
+        calls.append(module)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+
+    monkeypatch.setattr("hf_attnscale.streaming.install_streaming_forward", explode)
+    with pytest.raises(RuntimeError, match="boom"):
+        hfa.patch(model, sink_logit="learnable", scale="ssmax", train_length=4)
+    assert hfa.get_config(model) == hfa.AttnScaleConfig(scale="logn", train_length=4)
+    assert model.state_dict().keys() == before.keys()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, want)
+
+
+def test_config_is_saved_in_model_config():
+    model = tiny_model("llama")
+    hfa.patch(model, scale="logn", train_length=4096, zero_kv=True)
+    saved = model.config.to_dict()["attn_scale"]
+    assert saved == {
+        "scale": "logn",
+        "train_length": 4096,
+        "clamp": True,
+        "zero_kv": True,
+        "sink_logit": None,
+        "version": 1,
+    }
+    assert hfa.AttnScaleConfig.from_dict(saved) == hfa.get_config(model)
+    with pytest.raises(ValueError, match="Unknown attn_scale config keys"):
+        hfa.AttnScaleConfig.from_dict({**saved, "temperature": 2})
+
+
+def _brute_force_counts(q_len, k_len, pad, causal, window, bottom_right):
+    """Count visible keys by enumerating every (query, key) pair with the backends' conventions."""
+    offset = k_len - q_len if (bottom_right or q_len == 1 or pad is not None) and causal else 0
+    out = torch.zeros(1 if pad is None else pad.shape[0], 1, q_len)
+    for b in range(out.shape[0]):
+        for i in range(q_len):
+            qi = i + offset
+            for j in range(k_len):
+                ok = j <= qi if causal else True
+                if window:
+                    ok = ok and (qi - j < window if causal else abs(qi - j) < window)
+                if pad is not None:
+                    ok = ok and bool(pad[b, j])
+                out[b, 0, i] += ok
+    return out
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("shape", [(7, 7), (1, 9), (4, 10)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_visible_key_counts_match_brute_force(causal, window, shape, padded):
+    q_len, k_len = shape
+    if not causal and q_len != k_len:
+        pytest.skip("encoders see their own keys")
+    pad = None
+    if padded:
+        pad = torch.ones(2, k_len, dtype=torch.bool)
+        pad[1, :2] = False
+    bottom_right = padded or q_len == 1  # 2D masks come from flash, which aligns bottom-right
+    got = visible_key_counts(
+        q_len, k_len, pad, causal=causal, sliding_window=window, bottom_right=bottom_right
+    )
+    want = _brute_force_counts(q_len, k_len, pad, causal, window, bottom_right)
+    assert torch.equal(got, want)
+
+
+def test_visible_key_counts_from_4d_masks():
+    mask = torch.ones(2, 1, 3, 5, dtype=torch.bool).tril(2)
+    mask[1, :, :, 0] = False
+    want = torch.tensor([[[3.0, 4, 5]], [[2, 3, 4]]])
+    assert torch.equal(visible_key_counts(3, 5, mask, causal=True), want)
+    additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    assert torch.equal(visible_key_counts(3, 5, additive, causal=True), want)
+
+
+@pytest.mark.parametrize("sink", [0.0, 1.5, -2.0])
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_cpu_exit_matches_reference_with_gqa(sink, causal):
+    q = torch.randn(2, 4, 6, 8, requires_grad=True)
+    k = torch.randn(2, 2, 6, 8, requires_grad=True)
+    v = torch.randn(2, 2, 6, 8, requires_grad=True)
+    sinks = torch.full((4,), sink, requires_grad=True)
+    got = fused_sink_attention_cpu(q, k, v, None, sinks, causal, 0.3)
+    visible = torch.ones(6, 6, dtype=torch.bool)
+    visible = (visible.tril() if causal else visible).view(1, 1, 6, 6)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
+    want = reference_attention(*leaves[:3], visible, 0.3, sink=leaves[3])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    grad = torch.randn_like(got)
+    got.backward(grad)
+    want.backward(grad)
+    for mine, theirs in zip((q, k, v, sinks), leaves):
+        torch.testing.assert_close(mine.grad, theirs.grad, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_fully_masked_row_with_exit_gives_zeros(attn):
+    model = tiny_model("llama", attn, num_hidden_layers=1)
+    hfa.patch(model, zero_kv=True)
+    module = model.model.layers[0].self_attn
+    q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    mask = torch.ones(1, 1, 3, 3, dtype=torch.bool).tril()
+    mask[:, :, 0] = False  # the first query sees nothing
+    if attn == "eager":
+        mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    fn = AttentionInterface._global_mapping[model.config._attn_implementation]
+    out, _ = fn(module, q, k, v, mask, scaling=8**-0.5, dropout=0.0)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[:, 0], torch.zeros_like(out[:, 0]))
+    assert out[:, 1:].abs().min() > 0
+
+
+def test_sdpa_keeps_is_causal_fast_path(monkeypatch):
+    """No mask is materialised where sdpa ran with is_causal: the kernel sees attn_mask=None."""
+    seen = []
+    real_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy_op(q, k, v, dropout, is_causal, attn_mask=None, scale=None):
+        seen.append(("fused", is_causal, attn_mask))
+        return real_op(q, k, v, dropout, is_causal, attn_mask=attn_mask, scale=scale)
+
+    def spy_sdpa(*args, attn_mask=None, is_causal=False, **kwargs):
+        seen.append(("sdpa", is_causal, attn_mask))
+        return real_sdpa(*args, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(attention.torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", spy_op)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy_sdpa)
+    ids = torch.randint(3, VOCAB, (2, 16))
+    for options in (
+        {"scale": "logn", "train_length": 4},
+        {"scale": "logn", "train_length": 4, "zero_kv": True},
+    ):
+        model = hfa.patch(tiny_model("llama"), **options)
+        seen.clear()
+        with torch.no_grad():
+            model(input_ids=ids)
+        assert len(seen) == 2 and all(is_causal and mask is None for _, is_causal, mask in seen), seen
+
+
+def test_learnable_parameters_are_per_head_and_initialised():
+    model = hfa.patch(tiny_model("llama"), scale="ssmax", train_length=512, sink_logit="learnable")
+    names = [n for n, _ in model.named_parameters() if ".hfa." in n]
+    assert names == [f"model.layers.{i}.self_attn.hfa.{p}" for i in range(2) for p in ("sink", "ssmax")]
+    state = model.model.layers[0].self_attn.hfa
+    assert torch.equal(state.sink, torch.zeros(4))
+    torch.testing.assert_close(state.ssmax, torch.full((4,), 1 / math.log(512)))
