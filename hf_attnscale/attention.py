@@ -206,7 +206,9 @@ def _extra_key_attention(fn, module, query, key, value, mask, sink, causal, **kw
         body = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, neg)
     else:
         body = mask[..., :k_len].to(dtype)
-    heads = num_heads if sink.numel() > 1 and not bool((sink == sink[0]).all()) else 1
+    # One shared column when every head has the same constant exit logit; learnable sinks need their own.
+    uniform = not sink.requires_grad and bool((sink == sink[0]).all())
+    heads = 1 if uniform else num_heads
     body = body.expand(body.shape[0], heads, q_len, k_len)
     column = sink.to(dtype).view(1, -1, 1, 1)[:, :heads].expand(body.shape[0], heads, q_len, 1)
     out, weights = fn(module, query, key, value, torch.cat([column, body], dim=-1), **kwargs)

@@ -81,6 +81,12 @@ def patch(
             f"Attention backend {inner!r} is not supported; supported: {', '.join(SUPPORTED_BACKENDS)}."
         )
 
+    device = next(base.parameters()).device
+    if inner == "flex_attention" and config.has_exit and device.type == "cpu":
+        raise ValueError(
+            "zero_kv / sink_logit under flex_attention need a GPU (transformers runs flex sinks via its CUDA "
+            "logsumexp); on CPU load the model with attn_implementation='sdpa' or 'eager'."
+        )
     num_heads = base.config.num_attention_heads
     states = [_new_state(config, num_heads, m) for m in modules]
     if reload_saved:

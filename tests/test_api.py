@@ -208,3 +208,27 @@ def test_learnable_parameters_are_per_head_and_initialised():
     state = model.model.layers[0].self_attn.hfa
     assert torch.equal(state.sink, torch.zeros(4))
     torch.testing.assert_close(state.ssmax, torch.full((4,), 1 / math.log(512)))
+
+
+def test_flex_attention_scale_matches_sdpa():
+    ids = torch.randint(3, VOCAB, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, :3] = 0
+    flex = hfa.patch(tiny_model("llama", "flex_attention"), scale="logn", train_length=2)
+    sdpa = hfa.patch(tiny_model("llama", "sdpa"), scale="logn", train_length=2)
+    with torch.no_grad():  # flex attention has no CPU backward
+        got = flex(input_ids=ids, attention_mask=mask).logits
+        want = sdpa(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="need a GPU"):
+        hfa.patch(flex, zero_kv=True)
+    assert hfa.get_config(flex).scale == "logn"
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_every_learnable_sink_gets_a_gradient_at_init(attn):
+    model = hfa.patch(tiny_model("llama", attn), sink_logit="learnable")
+    model(input_ids=torch.randint(3, VOCAB, (2, 8))).logits.square().sum().backward()
+    for layer in model.model.layers:
+        grad = layer.self_attn.hfa.sink.grad
+        assert grad.shape == (4,) and (grad.abs() > 0).all(), grad
