@@ -75,6 +75,14 @@ def patch(
         raise ValueError(
             f"No attention modules of {family.attention_classes} found in this {type(base).__name__}."
         )
+    held = [m._modules.get(STATE_NAME) for m in modules]
+    if any(state is not None and not isinstance(state, AttnScaleState) for state in held):
+        # PEFT's modules_to_save wraps the state; a new state would be neither trained nor saved with it.
+        raise ValueError(
+            "This model's patch state is held by PEFT (modules_to_save=['hfa']); patching it again would "
+            "detach the parameters PEFT trains and saves. Patch the base model before get_peft_model, or "
+            "load the adapter onto a freshly patched base with hfa.load_adapter."
+        )
     inner = inner_backend(base.config._attn_implementation or "eager")
     if inner not in SUPPORTED_BACKENDS:
         raise ValueError(

@@ -1,0 +1,132 @@
+"""Step time of LoRA fine-tuning on a patched model against the same model unpatched, in one run.
+
+One training step = forward, backward and AdamW step of a PEFT LoRA model (r=8 on the attention
+projections; the patch's sink logits trained alongside when it has them). Every variant is a copy of the same
+base weights, trained on the same batch. The variants are interleaved step by step, so load from other jobs
+hits them alike, and the median over the steps is reported, with the median of the per-round ratios to the
+unpatched step (a paired ratio, the more robust of the two).
+
+    python benchmarks/bench_lora_step.py --model shipped --length 512 --batch-size 4 --repeats 15 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import statistics
+import time
+
+import torch
+from peft import get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hf_attnscale as hfa
+
+VARIANTS: dict[str, dict | None] = {
+    "unpatched": None,
+    "logn+sink(learnable)": {"scale": "logn", "sink_logit": "learnable"},
+    "logn+zero_kv": {"scale": "logn", "zero_kv": True},
+}
+
+
+def base_model(name: str) -> tuple[torch.nn.Module, int]:
+    """(model in float32, trained length): the shipped checkpoint, or bench_overhead.py's larger Llama."""
+    if name == "shipped":
+        from hf_attnscale.default_model import load_default_model
+
+        model, _ = load_default_model()
+        return model, 256
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=16384,
+    )
+    return LlamaForCausalLM._from_config(config, attn_implementation="sdpa"), 512
+
+
+def build_variants(name: str, rank: int) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
+    base, trained = base_model(name)
+    built = {}
+    for variant, options in VARIANTS.items():
+        model = copy.deepcopy(base)
+        if options is not None:
+            hfa.patch(model, train_length=trained, **options)
+        torch.manual_seed(0)
+        peft_model = get_peft_model(model, hfa.lora_config(model, r=rank, lora_alpha=2 * rank))
+        optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-4)
+        built[variant] = (peft_model.train(), optimizer)
+    return built
+
+
+def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> float:
+    start = time.perf_counter()
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", choices=["shipped", "llama-8x512"], default="shipped")
+    parser.add_argument("--length", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    variants = build_variants(args.model, args.rank)
+    vocab = next(iter(variants.values()))[0].get_base_model().config.vocab_size
+    ids = torch.randint(4, vocab, (args.batch_size, args.length), generator=torch.Generator().manual_seed(0))
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.warmup):
+        for model, optimizer in variants.values():
+            step(model, optimizer, ids)
+    for _ in range(args.repeats):
+        for name, (model, optimizer) in variants.items():
+            times[name].append(step(model, optimizer, ids))
+
+    base = times["unpatched"]
+    results = {
+        name: {
+            "median_s": statistics.median(ts),
+            "ratio_of_medians": statistics.median(ts) / statistics.median(base),
+            "median_paired_ratio": statistics.median(t / b for t, b in zip(ts, base)),
+        }
+        for name, ts in times.items()
+    }
+    setup = {
+        "model": args.model,
+        "batch": args.batch_size,
+        "length": args.length,
+        "lora_rank": args.rank,
+        "repeats": args.repeats,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+    }
+    print(json.dumps(setup))
+    print(f"{'variant':<24}{'median step (s)':>16}{'ratio of medians':>18}{'paired ratio':>14}")
+    for name, r in results.items():
+        print(f"{name:<24}{r['median_s']:16.3f}{r['ratio_of_medians']:18.3f}{r['median_paired_ratio']:14.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"setup": setup, "results": results, "times": times}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

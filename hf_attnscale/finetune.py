@@ -1,0 +1,282 @@
+"""PEFT fine-tuning of patched models: LoRA on the attention projections, the patch's own parameters
+(learnable sink logits, SSMax slopes) trained and saved alongside, and adapters that remember their patch.
+
+    >>> hfa.patch(model, scale="logn", train_length=256, sink_logit="learnable")
+    >>> peft_model = peft.get_peft_model(model, hfa.lora_config(model, r=8))
+    >>> ...train...; peft_model.save_pretrained("adapter")   # also writes adapter/attn_scale.json
+    >>> peft_model = hfa.load_adapter(fresh_base_model, "adapter")  # patches it as saved, then loads
+
+What each patch option means for fine-tuning:
+
+==============================  ===========================================================================
+``sink_logit="learnable"``      per-head sink logits (``hfa.sink``), trained and saved with the adapter
+``scale="ssmax"``               per-head SSMax slopes (``hfa.ssmax``), trained and saved with the adapter
+``scale="logn"``/``"gradmax"``  no parameters: a fixed function of n; LoRA adapts the model around it
+``zero_kv`` / a float sink      no parameters: a fixed exit
+==============================  ===========================================================================
+
+``lora_config(model, train_patch=False)`` freezes the patch's parameters. Whatever the options, the adapter
+records them (``attn_scale.json``), and `load_adapter` refuses a model patched differently.
+
+The patch state of an attention module is its child module ``hfa`` (`AttnScaleState`), so PEFT trains and
+saves it through ``modules_to_save=["hfa"]``: PEFT swaps the child for a ``ModulesToSaveWrapper`` whose
+attribute reads fall through to the active copy, which the attention function uses unchanged.
+``merge_and_unload()`` puts the trained copy back as a plain `AttnScaleState`, so the merged model stays
+patched, and ``save_pretrained`` + ``hfa.patch(from_pretrained(...))`` restore it with its learned values.
+Gradient checkpointing, bf16 autocast, torch.compile, DDP and FSDP2 work (tests/test_finetune.py,
+tests/test_distributed.py; examples/DISTRIBUTED.md).
+
+peft is imported lazily, so ``import hf_attnscale`` works without it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from .attention import STATE_NAME, AttnScaleState
+from .config import AttnScaleConfig
+from .families import attention_modules, family_for
+from .patching import _base_model, get_config, patch
+
+if TYPE_CHECKING:
+    from peft import LoraConfig, PeftModel
+
+ADAPTER_PATCH_FILE = "attn_scale.json"
+"""Written next to ``adapter_config.json``: the patch the adapter was trained under."""
+
+# Head class suffix -> PEFT task type, so the PEFT wrapper matches the model (labels, generate, ...).
+_TASK_TYPES = {
+    "ForCausalLM": "CAUSAL_LM",
+    "ForSequenceClassification": "SEQ_CLS",
+    "ForTokenClassification": "TOKEN_CLS",
+    "ForQuestionAnswering": "QUESTION_ANS",
+    "Model": "FEATURE_EXTRACTION",
+}
+
+
+def trainable_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """Yield ``(name, parameter)`` for the patch's own parameters that are in force on ``model``.
+
+    These are the per-head learnable sink logits (``...hfa.sink``) and SSMax slopes (``...hfa.ssmax``). On a
+    PEFT model they are the copies of the active adapter (``...hfa.modules_to_save.<adapter>.sink``): the ones
+    the forward uses and the optimizer should update. Yields nothing when the patch has no parameters.
+    """
+    for name, module in model.named_modules():
+        state = module._modules.get(STATE_NAME)
+        if state is None:
+            continue
+        prefix = f"{name}.{STATE_NAME}" if name else STATE_NAME
+        state, suffix = _active_state(state)
+        if state is not None:
+            yield from state.named_parameters(prefix=prefix + suffix)
+
+
+def _active_state(state: nn.Module) -> tuple[AttnScaleState | None, str]:
+    """The `AttnScaleState` the attention function reads through ``state``, and its name below ``hfa``."""
+    if isinstance(state, AttnScaleState):
+        return state, ""
+    # PEFT's ModulesToSaveWrapper: the active adapter's copy unless adapters are disabled.
+    copies = getattr(state, "modules_to_save", None)
+    adapters = getattr(state, "active_adapters", None) or []
+    if copies is not None and not getattr(state, "disable_adapters", False):
+        for adapter in adapters:
+            if adapter in copies:
+                return copies[adapter], f".modules_to_save.{adapter}"
+    original = getattr(state, "original_module", None)
+    return (original, ".original_module") if isinstance(original, AttnScaleState) else (None, "")
+
+
+def attention_projections(model: nn.Module) -> list[str]:
+    """LoRA ``target_modules`` naming the linear projections of every patched attention block.
+
+    The block is the family's attention module, or its parent when that is an ``...Attention`` wrapper (BERT's
+    ``attention.self`` + ``attention.output.dense``). Names keep the block's own name as a prefix
+    (``self_attn.q_proj``, ``attention.self.query``) so that no other ``dense`` or ``query`` layer matches.
+    """
+    base = _base_model(model)
+    family = family_for(base.config.model_type)
+    names = {id(m): n for n, m in base.named_modules()}
+    targets: set[str] = set()
+    for module in attention_modules(base, family):
+        name = names[id(module)]
+        parent_name = name.rpartition(".")[0]
+        parent = base.get_submodule(parent_name)
+        block, block_name = (
+            (parent, parent_name) if type(parent).__name__.endswith("Attention") else (module, name)
+        )
+        short = block_name.rpartition(".")[2]
+        for sub_name, sub in block.named_modules():
+            parts = sub_name.split(".")
+            if STATE_NAME in parts or "base_layer" in parts or any(p.startswith("lora_") for p in parts):
+                continue  # the patch state, or the insides of a LoRA layer PEFT already put there
+            if isinstance(getattr(sub, "base_layer", sub), nn.Linear):
+                targets.add(f"{short}.{sub_name}")
+    return sorted(targets)
+
+
+def lora_config(model: nn.Module, *, train_patch: bool = True, **lora_kwargs: Any) -> LoraConfig:
+    """A ``peft.LoraConfig`` for ``model`` that also trains and saves the patch's parameters.
+
+    Defaults, each overridable through ``lora_kwargs``: ``target_modules`` = the attention projections
+    (`attention_projections`), ``task_type`` from the model's head (``CAUSAL_LM`` for ``...ForCausalLM``).
+    When the patch has parameters (``sink_logit="learnable"``, ``scale="ssmax"``) and ``train_patch`` is True,
+    ``"hfa"`` is added to ``modules_to_save``. The returned config records the patch in force (None for an
+    unpatched model); ``PeftModel.save_pretrained`` then writes it to ``attn_scale.json`` beside the adapter,
+    and `load_adapter` checks it.
+
+    Example:
+        >>> peft_model = peft.get_peft_model(model, hfa.lora_config(model, r=8, lora_alpha=16))
+    """
+    base = _base_model(model)
+    patch_config = get_config(base)
+    kwargs = dict(lora_kwargs)
+    kwargs.setdefault("target_modules", attention_projections(base))
+    task_type = _task_type(base)
+    if task_type is not None:
+        kwargs.setdefault("task_type", task_type)
+    has_parameters = any(True for _ in trainable_parameters(base))
+    if train_patch and has_parameters:
+        saved = list(kwargs.get("modules_to_save") or [])
+        kwargs["modules_to_save"] = [*saved, STATE_NAME] if STATE_NAME not in saved else saved
+    config = _lora_config_class()(**kwargs)
+    config.attn_scale = None if patch_config is None else patch_config.to_dict()
+    return config
+
+
+def _task_type(model: nn.Module) -> str | None:
+    name = type(model).__name__
+    return next((task for suffix, task in _TASK_TYPES.items() if name.endswith(suffix)), None)
+
+
+@functools.cache
+def _lora_config_class() -> type:
+    """`AttnScaleLoraConfig`, built on first use so that peft is only imported when needed."""
+    from peft import LoraConfig
+
+    class AttnScaleLoraConfig(LoraConfig):
+        """A ``LoraConfig`` that remembers the attention patch and saves it as ``attn_scale.json``.
+
+        ``attn_scale`` is a plain attribute, not a dataclass field, so ``adapter_config.json`` stays a vanilla
+        LoRA config that any PEFT version loads without warnings.
+        """
+
+        attn_scale: dict[str, Any] | None = None
+
+        def save_pretrained(self, save_directory: str, **kwargs: Any) -> None:
+            super().save_pretrained(save_directory, **kwargs)
+            save_patch_config(save_directory, self.attn_scale)
+
+    # Picklable by name (hf_attnscale.finetune.AttnScaleLoraConfig, served by the module __getattr__).
+    AttnScaleLoraConfig.__module__ = __name__
+    AttnScaleLoraConfig.__qualname__ = "AttnScaleLoraConfig"
+    globals()["AttnScaleLoraConfig"] = AttnScaleLoraConfig
+    return AttnScaleLoraConfig
+
+
+def __getattr__(name: str) -> Any:
+    if name == "AttnScaleLoraConfig":
+        return _lora_config_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def save_patch_config(directory: str | Path, attn_scale: AttnScaleConfig | dict | None) -> None:
+    """Write ``attn_scale.json`` (the patch an adapter was trained under; None = unpatched) to ``directory``."""
+    if isinstance(attn_scale, AttnScaleConfig):
+        attn_scale = attn_scale.to_dict()
+    path = Path(directory) / ADAPTER_PATCH_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"attn_scale": attn_scale}, indent=2, sort_keys=True) + "\n")
+
+
+def adapter_patch_config(path: str | Path) -> AttnScaleConfig | None:
+    """The patch an adapter directory was trained under (None: trained unpatched).
+
+    Raises FileNotFoundError when ``path`` has no ``attn_scale.json`` (the adapter was not configured with
+    `lora_config`, or ``path`` is not a local directory).
+    """
+    file = Path(path) / ADAPTER_PATCH_FILE
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"No {ADAPTER_PATCH_FILE} in {path}: this adapter does not record its attention patch (it was not "
+            f"built with hfa.lora_config, or {path} is not a local adapter directory)."
+        )
+    data = json.loads(file.read_text())["attn_scale"]
+    return None if data is None else AttnScaleConfig.from_dict(data)
+
+
+def load_adapter(
+    model: nn.Module,
+    path: str | Path,
+    adapter_name: str = "default",
+    *,
+    is_trainable: bool = False,
+    strict: bool = True,
+    **peft_kwargs: Any,
+) -> PeftModel:
+    """Load a LoRA adapter saved from a patched model onto ``model``, with the patch it was trained under.
+
+    An unpatched ``model`` is first patched with the adapter's saved config (its sink/SSMax parameters then
+    come from the adapter). A ``model`` patched differently from the adapter is refused with ValueError
+    (``strict=False``: a warning). A ``PeftModel`` gets ``adapter_name`` added. Other keyword arguments go to
+    ``PeftModel.from_pretrained``.
+
+    Plain ``PeftModel.from_pretrained`` loads the same files but cannot check the patch: call
+    ``hfa.patch(model, config=hfa.adapter_patch_config(path))`` on the base model first.
+    """
+    from peft import LoraConfig, PeftConfig, PeftModel
+
+    try:
+        saved = adapter_patch_config(path)
+    except FileNotFoundError as err:
+        _mismatch(f"{err} The patch of the model it is loaded onto cannot be checked.", strict=False)
+        saved = current = get_config(model)
+    else:
+        current = get_config(model)
+    if current is None and saved is not None:
+        patch(model, config=saved)
+    elif current != saved:
+        _mismatch(
+            f"The adapter at {path} was trained with the attention patch {_describe(saved)}, but the model "
+            f"it is loaded onto has {_describe(current)}; its outputs would not be the ones the adapter was "
+            f"trained for. Load it onto the base model unpatched (load_adapter then patches it as saved), or "
+            f"call hfa.patch(model, config=hfa.adapter_patch_config(path)) first"
+            + (" (hfa.unpatch(model) for an adapter trained unpatched)." if saved is None else "."),
+            strict=strict,
+        )
+
+    peft_config = PeftConfig.from_pretrained(str(path))
+    if isinstance(peft_config, LoraConfig):  # keep the record, so that saving again writes attn_scale.json
+        peft_config = _as_attn_scale_config(peft_config, get_config(model))
+    if isinstance(model, PeftModel):
+        peft_config.inference_mode = not is_trainable
+        model.load_adapter(str(path), adapter_name, is_trainable=is_trainable, **peft_kwargs)
+        model.peft_config[adapter_name] = peft_config
+        return model
+    return PeftModel.from_pretrained(
+        model, str(path), adapter_name, is_trainable=is_trainable, config=peft_config, **peft_kwargs
+    )
+
+
+def _as_attn_scale_config(config: LoraConfig, patch_config: AttnScaleConfig | None) -> LoraConfig:
+    cls = _lora_config_class()
+    converted = cls.__new__(cls)
+    converted.__dict__.update(config.__dict__)
+    converted.attn_scale = None if patch_config is None else patch_config.to_dict()
+    return converted
+
+
+def _describe(config: AttnScaleConfig | None) -> str:
+    return "none (unpatched)" if config is None else repr(config)
+
+
+def _mismatch(message: str, *, strict: bool) -> None:
+    if strict:
+        raise ValueError(message)
+    warnings.warn(message, UserWarning, stacklevel=3)
