@@ -125,6 +125,7 @@ def main() -> None:
     parser.add_argument("--repeats", default="7,5,3", help="timed runs per length (median reported)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0: torch's default)")
     parser.add_argument("--no-backward", action="store_true", help="forward only")
+    parser.add_argument("--backward-max-length", type=int, default=None, help="forward only above this length")
     parser.add_argument("--backward-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the results to this file")
@@ -144,7 +145,8 @@ def main() -> None:
     print("| length | pass | variant | median time (s) | ratio | peak mem (MiB) | ratio |")
     print("|---:|---|---|---:|---:|---:|---:|")
     for length, reps in zip(lengths, repeats + repeats[-1:] * len(lengths)):
-        for backward in [False] if args.no_backward else [False, True]:
+        skip_backward = args.no_backward or (args.backward_max_length or length) < length
+        for backward in [False] if skip_backward else [False, True]:
             times = time_variants(model, length, backward, reps, args.device)
             mems = {v: peak_memory(v, length, backward, args.device, args.dtype) for v in VARIANTS}
             for v in VARIANTS:

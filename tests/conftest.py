@@ -8,6 +8,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+# Tiny models gain nothing from a second thread, and oversubscribed cores make them many times slower.
+torch.set_num_threads(1)
+
 VOCAB = 128
 
 DECODERS: dict[str, dict] = {
