@@ -229,7 +229,8 @@ class _SinkAttentionCPU(torch.autograd.Function):
             query, key, value, 0.0, is_causal, attn_mask=mask, scale=scale
         )
         alpha = torch.sigmoid(lse - sink.view(1, -1, 1))  # (B, H, Tq) float32
-        y = out * alpha.unsqueeze(-1).to(out.dtype)
+        # In place: the backward needs y, never the kernel's own output.
+        y = out.mul_(alpha.unsqueeze(-1).to(out.dtype))
         ctx.save_for_backward(query, key, value, y, lse, alpha, mask)
         ctx.is_causal, ctx.scale = is_causal, scale
         return y
@@ -266,6 +267,6 @@ def fused_sink_attention_cpu(
             mask = torch.zeros(mask.shape, dtype=query.dtype).masked_fill_(~mask, -math.inf)
         mask = mask.to(query.dtype)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return _SinkAttentionCPU.apply(
-        query.contiguous(), key.contiguous(), value.contiguous(), sink, mask, is_causal, scale
-    )
+    # The kernel takes the projections' strided (B, T, H, D) layout as is and returns that layout, so the
+    # caller's transpose back to (B, T, H, D) copies nothing.
+    return _SinkAttentionCPU.apply(query, key, value, sink, mask, is_causal, scale)
