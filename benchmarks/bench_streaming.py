@@ -1,0 +1,328 @@
+"""StreamingLLM benchmarks (issue #3) on CPU: throughput, memory, and generate() latency of `SinkCache`.
+
+The model is Llama-shaped and randomly initialised (speed and memory do not depend on the weights):
+8 layers, d_model 512, 8 heads of 64, MLP 1408, vocabulary 32000, float32, sdpa, patched with
+``hfa.patch(model)`` (identity). The cache is ``SinkCache(4, 1020)``: 1024 tokens per layer.
+
+    python benchmarks/bench_streaming.py throughput   # fast chunked path vs token-by-token reference
+    python benchmarks/bench_streaming.py memory       # peak RSS of a 64k-token stream vs an 8k one
+    python benchmarks/bench_streaming.py latency      # generate() step time at 1k vs 16k, Sink vs Dynamic
+    python benchmarks/bench_streaming.py quality      # the four methods on real text (shipped tiny model)
+
+Each prints a Markdown block for benchmarks/RESULTS.md. Threads: ``--threads`` (default 1, so that numbers
+are stable on a shared 2-core machine). Every ratio compares numbers measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, StoppingCriteria
+
+import hf_attnscale as hfa
+
+SINKS, WINDOW = 4, 1020
+VOCAB = 32000
+
+
+def build_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=VOCAB,
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        intermediate_size=1408,
+        max_position_embeddings=2048,
+        pad_token_id=0,
+        eos_token_id=None,
+        bos_token_id=1,
+    )
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    return hfa.patch(model)
+
+
+def stream_ids(length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(2, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+def environment(threads: int) -> str:
+    cpu = platform.processor() or "cpu"
+    try:
+        with open("/proc/cpuinfo") as handle:
+            cpu = next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {cpu} "
+        f"({torch.backends.cpu.get_cpu_capability()}), torch.set_num_threads({threads})"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+def throughput(args) -> str:
+    model = build_model()
+    ids = stream_ids(args.tokens)
+    fast_runs, ref_runs, diffs = [], [], []
+    for run in range(args.repeats):  # interleaved, so that load from other jobs hits both alike
+        fast = hfa.perplexity(model, ids, cache=hfa.SinkCache(SINKS, WINDOW), chunk_size=args.chunk_size)
+        ref = hfa.perplexity(model, ids, cache=hfa.SinkCache(SINKS, WINDOW), chunk_size=1)
+        fast_runs.append(fast.tokens_per_second)
+        ref_runs.append(ref.tokens_per_second)
+        diffs.append((fast.nll - ref.nll).abs().max().item())
+        print(
+            f"run {run}: fast {fast_runs[-1]:.1f} tok/s, token-by-token {ref_runs[-1]:.1f} tok/s, "
+            f"max |dNLL| {diffs[-1]:.2e}",
+            flush=True,
+        )
+    # Sliding window with re-computation: steady-state cost per token (one 1024-token window re-encoded per
+    # token), from the difference of two runs so that the one-off scoring of the first window cancels out.
+    window = SINKS + WINDOW
+    timed = []
+    for extra in (0, args.recompute_tokens):
+        start = time.perf_counter()
+        hfa.perplexity(model, ids, method="recompute", window=window, max_length=window + 1 + extra)
+        timed.append(time.perf_counter() - start)
+    recompute = args.recompute_tokens / (timed[1] - timed[0])
+    fast, ref = statistics.median(fast_runs), statistics.median(ref_runs)
+    return "\n".join(
+        [
+            f"Stream of {args.tokens} tokens, `SinkCache({SINKS}, {WINDOW})`; median of {args.repeats} interleaved "
+            f"runs. {environment(args.threads)}.",
+            "",
+            "| method | tokens/s | vs token-by-token |",
+            "|---|---|---|",
+            f"| fast chunked path (chunk_size={args.chunk_size}) | {fast:.1f} | **{fast / ref:.1f}x** |",
+            f"| token-by-token reference (chunk_size=1) | {ref:.1f} | 1.0x |",
+            f"| sliding window with re-computation (window {window}, steady state over "
+            f"{args.recompute_tokens} tokens) | {recompute:.2f} | {recompute / ref:.3f}x |",
+            "",
+            f"Fast path vs token-by-token, same text: max |NLL difference| {max(diffs):.1e} nats/token "
+            f"(all runs: {', '.join(f'{d:.1e}' for d in diffs)}). Fast path vs re-computation: "
+            f"{fast / recompute:.0f}x. Runs: fast {', '.join(f'{x:.1f}' for x in fast_runs)}; "
+            f"token-by-token {', '.join(f'{x:.1f}' for x in ref_runs)} tok/s.",
+        ]
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+def _memory_child(args) -> None:
+    """In a fresh process: peak RSS of streaming ``args.tokens`` tokens (after a 2k-token warm-up)."""
+    torch.set_num_threads(args.threads)
+    model = build_model()
+    hfa.perplexity(
+        model,
+        stream_ids(2048, seed=7),
+        cache=hfa.SinkCache(SINKS, WINDOW),
+        chunk_size=args.chunk_size,
+        progress=False,
+    )
+    warm_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result = hfa.perplexity(
+        model,
+        stream_ids(args.tokens),
+        cache=hfa.SinkCache(SINKS, WINDOW),
+        chunk_size=args.chunk_size,
+        progress=False,
+    )
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(
+        json.dumps({"tokens": args.tokens, "warm_kb": warm_kb, "peak_kb": peak_kb, "seconds": result.seconds})
+    )
+
+
+def memory(args) -> str:
+    rows = {}
+    for tokens in (args.short, args.long):
+        command = [
+            sys.executable,
+            __file__,
+            "_memory_child",
+            "--tokens",
+            str(tokens),
+            "--threads",
+            str(args.threads),
+            "--chunk-size",
+            str(args.chunk_size),
+        ]
+        out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        rows[tokens] = json.loads(out.strip().splitlines()[-1])
+        print(rows[tokens], flush=True)
+    short, long = rows[args.short], rows[args.long]
+    mib = lambda kb: kb / 1024  # noqa: E731
+    return "\n".join(
+        [
+            f"Peak resident memory (ru_maxrss) of a process that streams the text through `hfa.perplexity` with "
+            f"`SinkCache({SINKS}, {WINDOW})`, chunk_size={args.chunk_size}; one fresh process per length, after a "
+            f"2k-token warm-up stream. {environment(args.threads)}.",
+            "",
+            "| stream | peak RSS (MiB) | growth over the warm-up peak (MiB) | seconds |",
+            "|---|---|---|---|",
+            *(
+                f"| {t:,} tokens | {mib(r['peak_kb']):.1f} | {mib(r['peak_kb'] - r['warm_kb']):.1f} | "
+                f"{r['seconds']:.0f} |"
+                for t, r in rows.items()
+            ),
+            "",
+            f"Peak ratio {args.long // 1024}k / {args.short // 1024}k: **{long['peak_kb'] / short['peak_kb']:.3f}** "
+            f"(goal <= 1.1).",
+        ]
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+class _StepClock(StoppingCriteria):
+    """Records the time at which generate() finishes each step."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def _greedy(new_tokens: int) -> dict:
+    return {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False, "pad_token_id": 0}
+
+
+def latency(args) -> str:
+    """Median generate() step time at two stream positions, for SinkCache and DynamicCache.
+
+    Each stream is first brought to its position by a prompt (prefill), so that 16k is reached in minutes;
+    a SinkCache is in the same state whether its tokens came by prefill or by decoding. Then rounds of
+    ``--steps`` greedy steps alternate between the positions (each round continues its own stream with the
+    same cache, like a multi-turn chat), so that load from other jobs on the machine hits both alike.
+    """
+    model = build_model()
+    low, high = args.positions
+    table: dict[tuple[str, int], float] = {}
+    for name in ("SinkCache", "DynamicCache"):
+        streams = {}
+        for position in (low, high):
+            cache = hfa.SinkCache(SINKS, WINDOW) if name == "SinkCache" else DynamicCache(config=model.config)
+            prompt = stream_ids(position - 1)[None]
+            streams[position] = [cache, model.generate(prompt, past_key_values=cache, **_greedy(1))]
+        gaps: dict[int, list[float]] = {low: [], high: []}
+        for _ in range(args.rounds):
+            for position in (low, high):
+                cache, sequence = streams[position]
+                clock = _StepClock()
+                streams[position][1] = model.generate(
+                    sequence, past_key_values=cache, stopping_criteria=[clock], **_greedy(args.steps + 1)
+                )
+                gaps[position] += [b - a for a, b in zip(clock.times, clock.times[1:])]  # decoding steps only
+        for position in (low, high):
+            table[name, position] = 1000 * statistics.median(gaps[position])
+            print(f"{name} at {position}: {table[name, position]:.2f} ms/token", flush=True)
+    lines = [
+        f"generate() per-token latency: median of {args.rounds} x {args.steps} greedy decoding steps per cell. "
+        f"Each stream is brought to its position by a prompt, then rounds of {args.steps} steps alternate "
+        f"between the two positions, each continuing its stream with its cache. {environment(args.threads)}.",
+        "",
+        f"| cache | ms/token at {low:,} | ms/token at {high:,} | ratio |",
+        "|---|---|---|---|",
+    ]
+    for name in ("SinkCache", "DynamicCache"):
+        ratio = f"{table[name, high] / table[name, low]:.3f}"
+        label = f"`SinkCache({SINKS}, {WINDOW})`" if name == "SinkCache" else "`DynamicCache` (grows)"
+        ratio = f"**{ratio}**" if name == "SinkCache" else ratio
+        lines.append(f"| {label} | {table[name, low]:.2f} | {table[name, high]:.2f} | {ratio} |")
+    lines += ["", "Goal for SinkCache: ratio <= 1.15."]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------
+def quality(args) -> str:
+    """The four methods on real text: the shipped tiny Llama (trained at 256 tokens), held-out documents."""
+    from hf_attnscale.corpus import long_documents
+    from hf_attnscale.default_model import load_default_model
+
+    model, tokenizer = load_default_model()
+    hfa.patch(model)
+    trained = model.config.max_position_embeddings
+    sinks, window = 4, trained - 4
+    documents = long_documents("heldout", args.tokens, tokenizer)[: args.documents]
+    methods = {
+        "dense (all tokens)": {"chunk_size": 512},
+        f"window only, `SinkCache(0, {trained})`": {"cache": lambda: hfa.SinkCache(0, trained)},
+        f"StreamingLLM, `SinkCache({sinks}, {window})`": {"cache": lambda: hfa.SinkCache(sinks, window)},
+        f"re-computation, window {trained}": {"method": "recompute", "window": trained},
+    }
+    edges = [0, trained, 4 * trained, args.tokens - 1]
+    nll = {name: [] for name in methods}
+    speed = {name: [] for name in methods}
+    for doc in documents:
+        ids = torch.tensor(tokenizer(doc.text)["input_ids"][: args.tokens])
+        for name, options in methods.items():
+            options = {k: (v() if k == "cache" else v) for k, v in options.items()}
+            result = hfa.perplexity(model, ids, **options)
+            nll[name].append(result.nll)
+            speed[name].append(result.tokens_per_second)
+        summary = ", ".join(f"{torch.stack(v).mean().exp():.2f}" for v in nll.values())
+        print(f"{doc.name}: perplexity {summary}", flush=True)
+    spans = [f"{a + 1:,}-{b:,}" for a, b in itertools.pairwise(edges)]
+    lines = [
+        f"Perplexity of the shipped tiny Llama (4 layers, d 256, trained at {trained} tokens) on the first "
+        f"{args.tokens} tokens of each of {len(documents)} held-out stdlib documents "
+        f"({', '.join(d.name for d in documents)}), by predicted-token position. {environment(args.threads)}.",
+        "",
+        "| method | " + " | ".join(f"ppl @ {s}" for s in spans) + " | tokens/s |",
+        "|---|" + "---|" * (len(spans) + 1),
+    ]
+    for name in methods:
+        stacked = torch.stack(nll[name])  # (documents, T-1)
+        cells = [f"{stacked[:, a:b].mean().exp():.2f}" for a, b in itertools.pairwise(edges)]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {statistics.median(speed[name]):.0f} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("throughput", "memory", "latency", "quality", "_memory_child"):
+        p = sub.add_parser(name)
+        p.add_argument("--threads", type=int, default=1)
+        p.add_argument("--chunk-size", type=int, default=512)
+    sub.choices["throughput"].add_argument("--tokens", type=int, default=3072)
+    sub.choices["throughput"].add_argument("--repeats", type=int, default=3)
+    sub.choices["throughput"].add_argument("--recompute-tokens", type=int, default=16)
+    sub.choices["quality"].add_argument("--tokens", type=int, default=2048)
+    sub.choices["quality"].add_argument("--documents", type=int, default=3)
+    sub.choices["memory"].add_argument("--short", type=int, default=8192)
+    sub.choices["memory"].add_argument("--long", type=int, default=65536)
+    sub.choices["_memory_child"].add_argument("--tokens", type=int, required=True)
+    sub.choices["latency"].add_argument("--positions", type=int, nargs=2, default=[1024, 16384])
+    sub.choices["latency"].add_argument("--steps", type=int, default=32)
+    sub.choices["latency"].add_argument("--rounds", type=int, default=8)
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()  # generate() warns once a stream passes max_position_embeddings
+    if args.command == "_memory_child":
+        _memory_child(args)
+        return
+    start = time.perf_counter()
+    commands = {"throughput": throughput, "memory": memory, "latency": latency, "quality": quality}
+    report = commands[args.command](args)
+    command = "python benchmarks/bench_streaming.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(f"\n### {args.command}\n\n`{command.strip()}` ({time.perf_counter() - start:.0f} s)\n\n{report}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""Perplexity over one long stream: StreamingLLM (exact and fast), and the baselines it is compared with.
+
+``method="stream"`` feeds the stream through a `SinkCache`. With ``chunk_size=1`` this is the token-by-token
+reference of mit-han-lab's ``eval_long_ppl.py``; with larger chunks every token of a chunk still sees exactly
+what it would have seen token by token (see `hf_attnscale.cache`), so the result is the same to float
+rounding, many times faster. The baselines: ``"dense"`` (every token sees all earlier ones), window-only
+(a `SinkCache` with ``sink_tokens=0``), and ``"recompute"`` (each token re-encodes its last ``window``
+tokens from scratch: the sliding window with re-computation that StreamingLLM reports its speed-up against).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from .cache import SinkCache
+
+Method = Literal["stream", "dense", "recompute"]
+METHODS = ("stream", "dense", "recompute")
+RECOMPUTE_TOKENS_PER_CALL = 8192
+"""Windows re-encoded per call by ``"recompute"``, as a token budget (batching keeps it from being slower
+than it has to be; the work per token is still a full window)."""
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    """Per-token negative log-likelihoods of one stream.
+
+    Attributes:
+        nll: float32 ``(T-1,)``: ``nll[t]`` is ``-log p(token t+1 | what the method lets it see)``.
+        method: how it was computed (``"stream"``, ``"dense"`` or ``"recompute"``).
+        seconds: wall time of the evaluation.
+        details: the settings that produced it (cache size, chunk size, window...).
+    """
+
+    nll: torch.Tensor
+    method: str
+    seconds: float
+    details: dict = field(default_factory=dict)
+
+    @property
+    def ppl(self) -> float:
+        """Perplexity over the whole stream: ``exp(mean nll)``."""
+        return math.exp(self.nll.double().mean().item())
+
+    @property
+    def running_ppl(self) -> torch.Tensor:
+        """``(T-1,)``: perplexity of the first ``t+1`` predicted tokens, for plots by position."""
+        count = torch.arange(1, self.nll.numel() + 1, dtype=torch.float64)
+        return (self.nll.double().cumsum(0) / count).exp().float()
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Predicted tokens per second of wall time."""
+        return self.nll.numel() / self.seconds if self.seconds > 0 else math.inf
+
+
+def perplexity(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    cache: SinkCache | None = None,
+    *,
+    chunk_size: int = 512,
+    method: Method | None = None,
+    window: int | None = None,
+    max_length: int | None = None,
+    progress: bool | None = None,
+) -> PerplexityResult:
+    """Per-token NLL of one token stream under a causal LM.
+
+    Args:
+        model: a causal LM in eval mode. With a `SinkCache` it must be patched (``hfa.patch(model)``).
+        input_ids: one stream, ``(T,)`` or ``(1, T)``.
+        cache: a fresh `SinkCache` for ``method="stream"`` (the default when given). ``SinkCache(0, W)`` is
+            the window-only baseline.
+        chunk_size: tokens per model call for "stream" and "dense" (1: the token-by-token reference; the
+            results agree to ~1e-6 nats in float32 whatever the chunk size).
+        method: "stream" (needs ``cache``), "dense" (default without a cache), or "recompute" (needs
+            ``window``).
+        window: tokens each re-encoded window holds for "recompute", the predicted token's context included.
+        max_length: score only the first ``max_length`` tokens (the dense baseline's memory grows with T).
+        progress: show a tqdm bar (None: only on a terminal).
+
+    Example:
+        >>> res = hfa.perplexity(model, ids, cache=hfa.SinkCache(4, 1020), chunk_size=512)
+        >>> res.ppl, res.nll.shape, res.running_ppl[-1]
+    """
+    method = method or ("stream" if cache is not None else "dense")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}.")
+    ids = _one_stream(input_ids, model)
+    if max_length is not None:
+        if max_length < 2:
+            raise ValueError(f"max_length must be at least 2, got {max_length}.")
+        ids = ids[:, :max_length]
+    if ids.shape[1] < 2:
+        raise ValueError("Perplexity needs a stream of at least 2 tokens.")
+
+    if method == "stream":
+        if not isinstance(cache, SinkCache):
+            raise ValueError("method='stream' needs cache=hfa.SinkCache(sink_tokens, window).")
+        if cache.get_seq_length() > 0:
+            raise ValueError(
+                "The SinkCache already holds a stream; pass a fresh one (or call cache.reset())."
+            )
+        from .streaming import check_streaming_model
+
+        check_streaming_model(model)
+        details = {"sink_tokens": cache.sink_tokens, "window": cache.window, "chunk_size": chunk_size}
+        run = lambda bar: _chunked(model, ids, cache, chunk_size, bar)  # noqa: E731
+    elif cache is not None:
+        raise ValueError(f"method={method!r} takes no cache.")
+    elif method == "dense":
+        details = {"chunk_size": chunk_size}
+        run = lambda bar: _chunked(model, ids, DynamicCache(config=model.config), chunk_size, bar)  # noqa: E731
+    else:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"method='recompute' needs window, an int >= 1, got {window!r}.")
+        details = {"window": window}
+        run = lambda bar: _recompute(model, ids, window, bar)  # noqa: E731
+
+    start = time.perf_counter()
+    with (
+        torch.no_grad(),
+        tqdm(
+            total=ids.shape[1] - 1,
+            desc=f"ppl ({method})",
+            unit="tok",
+            disable=None if progress is None else not progress,
+        ) as bar,
+    ):
+        nll = run(bar)
+    return PerplexityResult(
+        nll=nll.float().cpu(), method=method, seconds=time.perf_counter() - start, details=details
+    )
+
+
+def _one_stream(input_ids: torch.Tensor, model: nn.Module) -> torch.Tensor:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() not in (1, 2):
+        raise ValueError("input_ids must be a tensor of shape (T,) or (1, T).")
+    ids = input_ids.view(1, -1) if input_ids.dim() == 1 else input_ids
+    if ids.shape[0] != 1:
+        raise ValueError(f"perplexity() scores one stream; got a batch of {ids.shape[0]}.")
+    device = next(model.parameters()).device
+    return ids.to(device=device, dtype=torch.long)
+
+
+def _chunked(model: nn.Module, ids: torch.Tensor, cache, chunk_size: int, bar) -> torch.Tensor:
+    """Feed ``ids[:-1]`` in chunks through ``cache``; the last token is only a target."""
+    total = ids.shape[1] - 1
+    nll = torch.empty(total, dtype=torch.float32, device=ids.device)
+    for start in range(0, total, chunk_size):
+        stop = min(start + chunk_size, total)
+        logits = model(input_ids=ids[:, start:stop], past_key_values=cache, use_cache=True).logits
+        nll[start:stop] = F.cross_entropy(logits[0].float(), ids[0, start + 1 : stop + 1], reduction="none")
+        bar.update(stop - start)
+    return nll
+
+
+def _recompute(model: nn.Module, ids: torch.Tensor, window: int, bar) -> torch.Tensor:
+    """Each token predicted from its last ``window`` tokens, re-encoded from scratch at positions 0..window-1."""
+    total = ids.shape[1] - 1
+    nll = torch.empty(total, dtype=torch.float32, device=ids.device)
+    # Tokens 0..window-1 see their whole prefix: one causal call scores them all exactly.
+    head = min(window, total)
+    logits = model(input_ids=ids[:, :head], use_cache=False).logits
+    nll[:head] = F.cross_entropy(logits[0].float(), ids[0, 1 : head + 1], reduction="none")
+    bar.update(head)
+    windows = ids[0].unfold(0, window, 1)  # windows[s] = ids[s : s + window]; it predicts ids[s + window]
+    per_call = max(1, RECOMPUTE_TOKENS_PER_CALL // window)
+    for first in range(1, total - window + 1, per_call):
+        last = min(first + per_call, total - window + 1)
+        logits = model(input_ids=windows[first:last], use_cache=False, logits_to_keep=1).logits[:, -1]
+        targets = ids[0, first + window : last + window]
+        nll[first + window - 1 : last + window - 1] = F.cross_entropy(
+            logits.float(), targets, reduction="none"
+        )
+        bar.update(last - first)
+    return nll

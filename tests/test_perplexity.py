@@ -1,0 +1,154 @@
+"""hfa.perplexity: the fast chunked stream equals the token-by-token stream; baselines equal plain loops."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+import hf_attnscale as hfa
+
+VOCAB = 97
+FAMILIES: dict[str, dict] = {
+    "llama": {},
+    "mistral": {"sliding_window": 64},
+    "qwen2": {},
+    "qwen3": {"head_dim": 8},
+    "gemma": {"head_dim": 8},
+    "phi3": {"partial_rotary_factor": 0.5},
+}
+
+
+def tiny(model_type: str = "llama", attn: str = "sdpa", seed: int = 0):
+    """A 2-layer model with weights large enough that attention is sharp and positions matter."""
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=512,
+        rope_theta=100.0,
+        attention_dropout=0.0,
+        pad_token_id=0,
+        eos_token_id=None,
+        **FAMILIES[model_type],
+    )
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, (2.5 if "q_proj" in name or "qkv" in name else 1.0) / math.sqrt(p.shape[1]))
+    return model
+
+
+def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), targets, reduction="none")
+
+
+OPTIONS = {
+    "plain": {},
+    "logn+zero_kv": {"scale": "logn", "train_length": 4, "zero_kv": True},
+    "sink_logit": {"sink_logit": 1.5},
+}
+
+
+@pytest.mark.parametrize("options", list(OPTIONS))
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_chunked_stream_equals_token_by_token(model_type, options):
+    """Over 15 windows (sinks 2, window 8, 120 tokens), chunks of any size give the token-by-token NLL."""
+    model = hfa.patch(tiny(model_type), **OPTIONS[options])
+    ids = torch.randint(2, VOCAB, (120,))
+    reference = hfa.perplexity(model, ids, cache=hfa.SinkCache(2, 8), chunk_size=1, progress=False)
+    assert reference.nll.shape == (119,)
+    for chunk in (5, 8, 37, 200):
+        fast = hfa.perplexity(model, ids, cache=hfa.SinkCache(2, 8), chunk_size=chunk, progress=False)
+        assert (fast.nll - reference.nll).abs().max().item() <= 1e-4, chunk
+    # The stream did evict: it differs from the dense model, which sees everything.
+    dense = hfa.perplexity(model, ids, chunk_size=64, progress=False)
+    assert (dense.nll - reference.nll).abs().max().item() > 1e-2
+
+
+def test_eager_and_window_only_streams_are_exact():
+    model = hfa.patch(tiny("llama", "eager"), scale="logn", train_length=4)
+    ids = torch.randint(2, VOCAB, (90,))
+    for sinks in (0, 3):
+        ref = hfa.perplexity(model, ids, cache=hfa.SinkCache(sinks, 6), chunk_size=1, progress=False)
+        fast = hfa.perplexity(model, ids, cache=hfa.SinkCache(sinks, 6), chunk_size=16, progress=False)
+        assert (fast.nll - ref.nll).abs().max().item() <= 1e-4
+
+
+def test_dense_and_recompute_match_plain_loops():
+    model = hfa.patch(tiny("llama"))
+    ids = torch.randint(2, VOCAB, (40,))
+    with torch.no_grad():
+        full = _nll(model(ids[None]).logits[0, :-1], ids[1:])
+        window = 7
+        loop = torch.stack(
+            [  # token t+1 predicted from the window ending at token t, positions 0..window-1
+                _nll(model(ids[None, max(0, t - window + 1) : t + 1]).logits[0, -1:], ids[t + 1 : t + 2])[0]
+                for t in range(39)
+            ]
+        )
+    dense = hfa.perplexity(model, ids, chunk_size=9, progress=False)
+    torch.testing.assert_close(dense.nll, full, atol=1e-5, rtol=0)
+    recompute = hfa.perplexity(model, ids, method="recompute", window=window, progress=False)
+    torch.testing.assert_close(recompute.nll, loop, atol=1e-5, rtol=0)
+    limited = hfa.perplexity(model, ids, max_length=25, progress=False)
+    torch.testing.assert_close(limited.nll, full[:24], atol=1e-5, rtol=0)
+
+
+def test_result_summaries():
+    nll = torch.tensor([1.0, 2.0, 3.0, 2.0])
+    result = hfa.PerplexityResult(nll=nll, method="stream", seconds=2.0)
+    assert result.ppl == pytest.approx(math.exp(2.0))
+    torch.testing.assert_close(result.running_ppl, torch.tensor([1.0, 1.5, 2.0, 2.0]).exp())
+    assert result.tokens_per_second == pytest.approx(2.0)
+    model = hfa.patch(tiny())
+    res = hfa.perplexity(model, torch.randint(2, VOCAB, (1, 30)), cache=hfa.SinkCache(2, 6), progress=False)
+    assert res.details == {"sink_tokens": 2, "window": 6, "chunk_size": 512}
+    assert res.running_ppl[-1].item() == pytest.approx(res.ppl, rel=1e-5)
+
+
+def test_bad_arguments_raise():
+    model = hfa.patch(tiny())
+    ids = torch.randint(2, VOCAB, (20,))
+    cases = [
+        {"cache": hfa.SinkCache(2, 4), "chunk_size": 0},
+        {"method": "streaming"},
+        {"method": "stream"},
+        {"method": "recompute"},
+        {"method": "dense", "cache": hfa.SinkCache(2, 4)},
+        {"max_length": 1},
+    ]
+    for kwargs in cases:
+        with pytest.raises(ValueError):
+            hfa.perplexity(model, ids, progress=False, **kwargs)
+    with pytest.raises(ValueError, match="one stream"):
+        hfa.perplexity(model, ids.view(2, 10), progress=False)
+    used = hfa.SinkCache(2, 4)
+    hfa.perplexity(model, ids, cache=used, progress=False)
+    with pytest.raises(ValueError, match="fresh"):
+        hfa.perplexity(model, ids, cache=used, progress=False)
+    with pytest.raises(ValueError, match=r"hfa\.patch"):
+        hfa.perplexity(tiny(), ids, cache=hfa.SinkCache(2, 4), progress=False)
+
+
+def test_sink_cache_on_an_encoder_raises():
+    config = AutoConfig.for_model(
+        "bert",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+    )
+    model = hfa.patch(AutoModel.from_config(config).eval())
+    with pytest.raises(ValueError, match="encoder"):
+        hfa.perplexity(model, torch.randint(2, VOCAB, (20,)), cache=hfa.SinkCache(2, 4), progress=False)
