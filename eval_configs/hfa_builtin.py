@@ -1,0 +1,9 @@
+"""Dataset loader for the ``hfa_stdlib*`` tasks, named in their YAML as ``!function hfa_builtin.builtin_dataset``.
+
+lm-eval imports this file by path (from the YAML's folder). The documents are built in memory from this
+Python's standard library sources, so the tasks need no data file, no absolute path and no network.
+"""
+
+from hf_attnscale.lm_eval import builtin_dataset
+
+__all__ = ["builtin_dataset"]

@@ -1,0 +1,205 @@
+"""lm-eval integration: the ``hf-attnscale`` model type, the built-in corpus as a dataset, and a launcher.
+
+lm-eval's CLI cannot import plugins, so the model type is registered when this module is imported, and the
+launcher imports it before handing over to lm-eval's own CLI::
+
+    hf-attnscale lm-eval --model hf-attnscale \\
+        --model_args pretrained=PATH,scale=logn,train_length=4096,window=1020,sink_tokens=4 \\
+        --tasks hfa_stdlib_heldout --include_path eval_configs --device cuda
+    python -m hf_attnscale.lm_eval ...   # the same
+
+Importing this module needs lm-eval (``pip install hf_attnscale[eval]``); ``import hf_attnscale`` does not.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from lm_eval.api.instance import Instance
+from lm_eval.api.registry import MODEL_REGISTRY, register_model
+from lm_eval.models.huggingface import HFLM
+from tqdm.auto import tqdm
+
+from .cache import SinkCache
+from .config import AttnScaleConfig, read_saved_config
+from .evaluate import resolve_model_path
+from .patching import get_config, patch
+from .perplexity import perplexity
+from .streaming import check_streaming_model
+
+MODEL_TYPE = "hf-attnscale"
+
+
+class HFAttnScaleLM(HFLM):
+    """lm-eval's ``HFLM`` with an `hf_attnscale` patch, and StreamingLLM for rolling perplexity.
+
+    Every request type runs through the patched model. With ``window`` set, ``loglikelihood_rolling``
+    (perplexity tasks) streams each whole document through a fresh ``SinkCache(sink_tokens, window)``
+    instead of scoring disjoint ``max_length`` windows: every token is predicted from the document's first
+    ``sink_tokens`` tokens plus its last ``window`` tokens, as in StreamingLLM, however long the document.
+    Other request types (multiple choice, generation) stay dense.
+
+    Args:
+        pretrained: a model path, Hub id, ``builtin:tiny-llama-stdlib`` (the shipped model), or a model object
+            (then also pass ``tokenizer``).
+        scale, train_length, clamp, zero_kv, sink_logit: `hf_attnscale.patch` options. With none of them, a
+            checkpoint saved from a patched model (``attn_scale`` in its config) is patched as saved, and any
+            other model runs as loaded.
+        sink_tokens: sink tokens of the streaming cache (default 4 when ``window`` is given; 0: window-only).
+        window: recent tokens each query sees while streaming; None (default) keeps lm-eval's windows.
+        chunk_size: tokens per model call while streaming (memory only; results do not depend on it).
+        **kwargs: everything ``HFLM`` takes (``max_length``, ``dtype``, ``device``, ``batch_size``...).
+    """
+
+    def __init__(
+        self,
+        pretrained: Any,
+        scale: str | None = None,
+        train_length: int | None = None,
+        clamp: bool | None = None,
+        zero_kv: bool | None = None,
+        sink_logit: float | str | None = None,
+        sink_tokens: int | None = None,
+        window: int | None = None,
+        chunk_size: int = 512,
+        **kwargs: Any,
+    ) -> None:
+        options = {
+            "scale": scale,
+            "train_length": train_length,
+            "clamp": clamp,
+            "zero_kv": zero_kv,
+            "sink_logit": sink_logit,
+        }
+        options = {k: v for k, v in options.items() if v is not None}
+        # Validate everything before the model loads, which can take minutes.
+        config = AttnScaleConfig(**options) if options else None
+        if window is None and sink_tokens is not None:
+            raise ValueError(f"sink_tokens={sink_tokens} needs window=W (the streaming cache's window).")
+        self.sink_tokens = (4 if sink_tokens is None else sink_tokens) if window is not None else None
+        self.window = window
+        if window is not None:
+            SinkCache(self.sink_tokens, window)
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}.")
+        self.chunk_size = chunk_size
+        if isinstance(pretrained, str):
+            pretrained = resolve_model_path(pretrained)
+
+        super().__init__(pretrained=pretrained, **kwargs)
+
+        model = self.model
+        if config is not None:
+            patch(model, config=config)
+        elif get_config(model) is None and (window is not None or read_saved_config(model.config)):
+            patch(model)  # the saved patch (with its learned parameters), or the identity one for streaming
+        if window is not None:
+            check_streaming_model(model)
+
+    @property
+    def streaming(self) -> bool:
+        """Whether rolling perplexity streams documents through a `SinkCache`."""
+        return self.window is not None
+
+    def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
+        """Log-likelihood of each whole document: streamed with a ``window``, else lm-eval's windows."""
+        if not self.streaming:
+            return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
+        results = []
+        for request in tqdm(requests, desc="streaming documents", disable=disable_tqdm or self.rank != 0):
+            (text,) = request.args
+            # The same tokens lm-eval scores: the document's tokens, the first predicted from the prefix token.
+            ids = torch.tensor([self.prefix_token_id, *self.tok_encode(text)], dtype=torch.long)
+            if ids.numel() < 2:
+                total = 0.0
+            else:
+                nll = perplexity(
+                    self.model,
+                    ids,
+                    cache=SinkCache(self.sink_tokens, self.window),
+                    chunk_size=self.chunk_size,
+                    progress=False,
+                ).nll
+                total = -nll.double().sum().item()
+            self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
+            results.append(total)
+        return results
+
+    def get_model_info(self) -> dict:
+        info = super().get_model_info()
+        config = get_config(self.model)
+        info["hf_attnscale"] = {
+            "patch": None if config is None else config.to_dict(),
+            "sink_tokens": self.sink_tokens,
+            "window": self.window,
+        }
+        return info
+
+
+def builtin_dataset(
+    split: str = "heldout", min_tokens: int = 0, first_tokens: int | None = None, **_runtime_metadata: Any
+):
+    """The built-in stdlib corpus as a ``datasets.DatasetDict`` with one ``test`` split (fields name, text).
+
+    Used by the ``hfa_stdlib_*`` task YAMLs through lm-eval's ``custom_dataset``, so no data file or absolute
+    path is needed. Token counts are those of the shipped tokenizer.
+
+    Args:
+        split: ``"heldout"`` or ``"train"``.
+        min_tokens: keep only documents of at least this many tokens.
+        first_tokens: cut each document to the text of its first ``first_tokens`` tokens.
+        **_runtime_metadata: lm-eval passes its model_args and metadata here too; they are ignored.
+    """
+    import datasets
+
+    from .corpus import builtin_documents
+    from .default_model import default_model_path
+
+    documents = builtin_documents(split)
+    texts = [doc.text for doc in documents]
+    names = [doc.name for doc in documents]
+    if min_tokens or first_tokens:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+        encoded = tokenizer(texts, return_offsets_mapping=True, verbose=False)
+        kept = [
+            (name, text if first_tokens is None else text[: offsets[:first_tokens][-1][1]])
+            for name, text, offsets in zip(names, texts, encoded["offset_mapping"])
+            if len(offsets) >= min_tokens
+        ]
+        names, texts = [n for n, _ in kept], [t for _, t in kept]
+    return datasets.DatasetDict({"test": datasets.Dataset.from_dict({"name": names, "text": texts})})
+
+
+def register() -> None:
+    """Register `HFAttnScaleLM` as lm-eval's ``hf-attnscale`` model type (once)."""
+    if MODEL_TYPE not in MODEL_REGISTRY:
+        register_model(MODEL_TYPE)(HFAttnScaleLM)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run lm-eval's own CLI with ``argv`` (default: ``sys.argv[1:]``) after registering ``hf-attnscale``."""
+    from lm_eval.__main__ import cli_evaluate
+
+    register()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    saved, sys.argv = sys.argv, ["lm-eval", *argv]  # lm-eval's parser reads sys.argv itself
+    try:
+        cli_evaluate()
+    finally:
+        sys.argv = saved
+    return 0
+
+
+if __name__ == "__main__":
+    # Under `python -m` this file runs as __main__; registering the real module's class (not this copy's)
+    # keeps one HFAttnScaleLM, whatever imports hf_attnscale.lm_eval later.
+    from hf_attnscale.lm_eval import main as _main
+
+    sys.exit(_main())
+else:
+    register()

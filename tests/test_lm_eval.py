@@ -1,0 +1,220 @@
+"""lm-eval integration: the hf-attnscale model type against our own evaluator, the launcher, the task YAMLs."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+lm_eval = pytest.importorskip("lm_eval")
+
+from lm_eval.api.registry import get_model  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+from test_evaluate import single_thread, tiny_lm_with_tokenizer  # noqa: E402, F401 (an autouse fixture)
+
+import hf_attnscale as hfa  # noqa: E402
+from hf_attnscale.corpus import builtin_documents, long_documents  # noqa: E402
+from hf_attnscale.default_model import default_model_path  # noqa: E402
+from hf_attnscale.lm_eval import HFAttnScaleLM  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+EVAL_CONFIGS = REPO / "eval_configs"
+TASK = "hfa_local_jsonl"
+MAX_LENGTH = 48
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tokenizer = tiny_lm_with_tokenizer()
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def texts():
+    # Lengths around and well past MAX_LENGTH tokens: one window, several, and a partial last one.
+    docs = builtin_documents("heldout")
+    return [docs[0].text[:90], docs[1].text[:700], docs[2].text[:1500]]
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory, texts):
+    """The documented local-jsonl template, pointed at a file of our texts."""
+    folder = tmp_path_factory.mktemp("tasks")
+    data = folder / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    template = (EVAL_CONFIGS / "templates" / "local_jsonl.yaml").read_text()
+    assert "/absolute/path/to/documents.jsonl" in template
+    (folder / "local.yaml").write_text(template.replace("/absolute/path/to/documents.jsonl", str(data)))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def manager(task_dir):
+    # lm-eval's own few thousand task YAMLs take ~15 s to index; these tests need only ours.
+    return TaskManager(include_path=str(task_dir), include_defaults=False)
+
+
+def evaluate(lm, manager) -> dict:
+    results = lm_eval.simple_evaluate(
+        model=lm, tasks=[TASK], task_manager=manager, bootstrap_iters=0, log_samples=False
+    )
+    return results["results"][TASK]
+
+
+@pytest.fixture(scope="module")
+def streamed(tiny, manager) -> float:
+    """lm-eval's word perplexity with documents streamed through SinkCache(2, 14), 16 tokens per call."""
+    model, tokenizer = tiny
+    hfa.unpatch(model)
+    lm = HFAttnScaleLM(pretrained=model, tokenizer=tokenizer, sink_tokens=2, window=14, chunk_size=16)
+    assert lm.streaming and hfa.get_config(lm.model).is_identity
+    return evaluate(lm, manager)["word_perplexity,none"]
+
+
+def rolling_nll(model, tokens: list[int], prefix: int, max_length: int) -> float:
+    """Total NLL over lm-eval's rolling windows, scored by hfa.perplexity (dense) one window at a time.
+
+    lm-eval predicts every token: the first window reads ``[prefix] + tokens[:M-1]``; later ones read the
+    M tokens before their M (or, last, fewer) targets, so a short last window keeps extra context.
+    """
+    full = torch.tensor([prefix, *tokens])
+    total, done = 0.0, 0
+    while done < len(tokens):
+        end = min(done + max_length, len(tokens))
+        nll = hfa.perplexity(
+            model, full[max(0, end - max_length) : end + 1], method="dense", progress=False
+        ).nll
+        total += nll[-(end - done) :].double().sum().item()
+        done = end
+    return total
+
+
+def words(text: str) -> int:
+    return len(re.split(r"\s+", text))  # lm-eval's word count for word_perplexity
+
+
+def test_model_type_is_registered():
+    assert get_model("hf-attnscale") is HFAttnScaleLM
+    assert hfa.HFAttnScaleLM is HFAttnScaleLM
+
+
+def test_word_perplexity_matches_our_evaluator_on_the_same_windows(tiny, texts, manager):
+    model, tokenizer = tiny
+    hfa.unpatch(model)
+    lm = HFAttnScaleLM(
+        pretrained=model,
+        tokenizer=tokenizer,
+        scale="logn",
+        train_length=8,
+        max_length=MAX_LENGTH,
+        batch_size=3,
+    )
+    assert hfa.get_config(lm.model).scale == "logn"
+    metrics = evaluate(lm, manager)
+
+    token_lists = [tokenizer(t)["input_ids"] for t in texts]
+    assert max(map(len, token_lists)) > 4 * MAX_LENGTH > min(map(len, token_lists))
+    nll = sum(rolling_nll(lm.model, ids, tokenizer.bos_token_id, MAX_LENGTH) for ids in token_lists)
+    expected = math.exp(nll / sum(map(words, texts)))
+    assert metrics["word_perplexity,none"] == pytest.approx(expected, rel=1e-4)
+
+    # The patch really is in lm-eval's forward: without it the same windows score differently.
+    hfa.unpatch(lm.model)
+    plain = sum(rolling_nll(lm.model, ids, tokenizer.bos_token_id, MAX_LENGTH) for ids in token_lists)
+    assert abs(plain / nll - 1) > 1e-3
+
+
+def test_streaming_scores_whole_documents_through_a_sink_cache(tiny, texts, manager, streamed):
+    model, tokenizer = tiny
+    hfa.patch(model)
+    nll = 0.0
+    for text in texts:
+        ids = torch.tensor([tokenizer.bos_token_id, *tokenizer(text)["input_ids"]])
+        result = hfa.perplexity(model, ids, cache=hfa.SinkCache(2, 14), chunk_size=16, progress=False)
+        nll += result.nll.double().sum().item()
+    assert streamed == pytest.approx(math.exp(nll / sum(map(words, texts))), rel=1e-4)
+
+    # A cache and a window that both hold every document see everything: stream == lm-eval's dense windows.
+    hfa.unpatch(model)
+    longest = max(len(tokenizer(t)["input_ids"]) for t in texts) + 1
+    whole = evaluate(HFAttnScaleLM(pretrained=model, tokenizer=tokenizer, window=longest), manager)
+    hfa.unpatch(model)
+    dense = evaluate(HFAttnScaleLM(pretrained=model, tokenizer=tokenizer, max_length=longest), manager)
+    assert whole["word_perplexity,none"] == pytest.approx(dense["word_perplexity,none"], rel=1e-4)
+    assert whole["word_perplexity,none"] != pytest.approx(streamed, rel=1e-3)
+
+
+def test_bad_options_fail_before_loading():
+    with pytest.raises(ValueError, match="sink_tokens=4 needs window"):
+        HFAttnScaleLM(pretrained="/nonexistent/model", sink_tokens=4)
+    with pytest.raises(ValueError, match="needs train_length"):
+        HFAttnScaleLM(pretrained="/nonexistent/model", scale="logn")
+    with pytest.raises(ValueError, match="window must be an int >= 1"):
+        HFAttnScaleLM(pretrained="/nonexistent/model", window=0)
+
+
+def test_launcher_runs_lm_eval_cli_end_to_end(tiny, task_dir, streamed, tmp_path):
+    model, tokenizer = tiny
+    hfa.unpatch(model)
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    out = tmp_path / "out"
+    args = [
+        *("--model", "hf-attnscale"),
+        *("--model_args", f"pretrained={model_dir},sink_tokens=2,window=14,chunk_size=16,dtype=float32"),
+        *("--tasks", TASK, "--include_path", str(task_dir), "--device", "cpu", "--output_path", str(out)),
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "hf_attnscale.lm_eval", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (result_file,) = out.rglob("results_*.json")
+    saved = json.loads(result_file.read_text())
+    assert saved["config"]["hf_attnscale"] == {
+        "patch": hfa.AttnScaleConfig().to_dict(),
+        "sink_tokens": 2,
+        "window": 14,
+    }
+
+    assert saved["results"][TASK]["word_perplexity,none"] == pytest.approx(streamed, rel=1e-5)
+
+
+def test_eval_configs_index_and_build_the_builtin_tasks():
+    manager = TaskManager(include_path=str(EVAL_CONFIGS), include_defaults=False)
+    names = set(manager.all_tasks)
+    expected = {
+        "hfa_stdlib_heldout",
+        "hfa_stdlib_heldout_1k",
+        "hfa_stdlib_heldout_2k",
+        "hfa_stdlib_heldout_4k",
+        "hfa_local_jsonl",
+        "hfa_local_text",
+        "hfa_pg19",
+        "hfa_wikitext103",
+    }
+    assert expected <= names
+    if not (default_model_path() / "tokenizer.json").is_file():
+        pytest.skip("shipped tokenizer missing")
+    task = manager.load(["hfa_stdlib_heldout_4k"])["tasks"]["hfa_stdlib_heldout_4k"]
+    docs = list(task.test_docs())
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    long = long_documents("heldout", 4096, tokenizer)
+    assert [d["name"] for d in docs] == [d.name for d in long]
+    for doc, source in zip(docs, long):
+        assert source.text.startswith(doc["text"])
+        assert abs(len(tokenizer(doc["text"])["input_ids"]) - 4096) <= 2  # cut at a token boundary
