@@ -125,7 +125,9 @@ def main() -> None:
     parser.add_argument("--repeats", default="7,5,3", help="timed runs per length (median reported)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0: torch's default)")
     parser.add_argument("--no-backward", action="store_true", help="forward only")
-    parser.add_argument("--backward-max-length", type=int, default=None, help="forward only above this length")
+    parser.add_argument(
+        "--backward-max-length", type=int, default=None, help="forward only above this length"
+    )
     parser.add_argument("--backward-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the results to this file")
