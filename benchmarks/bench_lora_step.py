@@ -19,8 +19,8 @@ import statistics
 import time
 
 import torch
+from bench_overhead import build_model  # the same 8-layer d512 Llama (scripts run from benchmarks/)
 from peft import get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_attnscale as hfa
 
@@ -38,17 +38,7 @@ def base_model(name: str) -> tuple[torch.nn.Module, int]:
 
         model, _ = load_default_model()
         return model, 256
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=1024,
-        hidden_size=512,
-        intermediate_size=1376,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=16384,
-    )
-    return LlamaForCausalLM._from_config(config, attn_implementation="sdpa"), 512
+    return build_model("cpu", torch.float32), 512
 
 
 def build_variants(name: str, rank: int) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:

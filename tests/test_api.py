@@ -107,14 +107,13 @@ def _brute_force_counts(q_len, k_len, pad, causal, window, bottom_right):
     return out
 
 
-@pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("window", [None, 3])
-@pytest.mark.parametrize("shape", [(7, 7), (1, 9), (4, 10)])
+@pytest.mark.parametrize(
+    ("causal", "shape"), [(True, (7, 7)), (True, (1, 9)), (True, (4, 10)), (False, (7, 7))]
+)
 @pytest.mark.parametrize("padded", [False, True])
 def test_visible_key_counts_match_brute_force(causal, window, shape, padded):
-    q_len, k_len = shape
-    if not causal and q_len != k_len:
-        pytest.skip("encoders see their own keys")
+    q_len, k_len = shape  # encoders attend over their own keys: q_len == k_len
     pad = None
     if padded:
         pad = torch.ones(2, k_len, dtype=torch.bool)
