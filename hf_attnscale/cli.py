@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .corpus import tokenize_documents
 from .evaluate import (
     DEFAULT_DATA,
     DEFAULT_MODEL,
@@ -31,7 +32,6 @@ from .evaluate import (
     parse_lengths,
     resolve_model_path,
     sweep,
-    tokenize,
 )
 
 DTYPES = {
@@ -335,7 +335,7 @@ def _run_sweep(
     documents=None,
 ) -> SweepResult:
     documents = documents if documents is not None else load_documents(data)
-    token_ids = tokenize(tokenizer, documents)
+    token_ids = tokenize_documents(tokenizer, documents)
     return sweep(
         model,
         token_ids,

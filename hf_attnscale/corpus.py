@@ -10,9 +10,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import sysconfig
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, get_args
+
+import torch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -88,6 +91,15 @@ def builtin_documents(split: Split) -> list[Document]:
     if split not in get_args(Split):
         raise ValueError(f"split must be one of {get_args(Split)}, got {split!r}")
     return [doc for doc in _all_documents() if split_of(doc.name) == split]
+
+
+def tokenize_documents(
+    tokenizer: PreTrainedTokenizerBase, documents: Sequence[Document]
+) -> list[torch.Tensor]:
+    """Token ids of each document as the tokenizer encodes it alone (its BOS token included, if any)."""
+    # The tokenizer's model_max_length is about training inputs; whole documents are cut later, by length.
+    ids = tokenizer([doc.text for doc in documents], verbose=False)["input_ids"]
+    return [torch.tensor(row, dtype=torch.long) for row in ids]
 
 
 def long_documents(split: Split, min_tokens: int, tokenizer: PreTrainedTokenizerBase) -> list[Document]:

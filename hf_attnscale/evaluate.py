@@ -42,7 +42,6 @@ from .perplexity import perplexity
 
 if TYPE_CHECKING:
     from torch import nn
-    from transformers import PreTrainedTokenizerBase
 
 DEFAULT_DATA = "builtin:stdlib-heldout"
 DEFAULT_MODEL = f"builtin:{DEFAULT_MODEL_NAME}"
@@ -447,13 +446,6 @@ def resolve_model_path(name: str) -> str:
     if name != DEFAULT_MODEL:
         raise ValueError(f"Unknown built-in model {name!r}; the shipped one is {DEFAULT_MODEL!r}.")
     return str(default_model_path())
-
-
-def tokenize(tokenizer: PreTrainedTokenizerBase, documents: Sequence[Document]) -> list[torch.Tensor]:
-    """Token ids of each document as the tokenizer encodes it alone (its BOS token included, if any)."""
-    # The tokenizer's model_max_length is about training inputs; whole documents are cut later, by length.
-    ids = tokenizer([doc.text for doc in documents], verbose=False)["input_ids"]
-    return [torch.tensor(row, dtype=torch.long) for row in ids]
 
 
 def _versions() -> dict[str, str]:

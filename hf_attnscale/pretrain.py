@@ -34,7 +34,7 @@ from transformers import (
     get_cosine_schedule_with_warmup,
 )
 
-from hf_attnscale.corpus import Document, builtin_documents
+from hf_attnscale.corpus import Document, builtin_documents, tokenize_documents
 
 MODULE = "hf_attnscale.pretrain"
 BOS, EOS, PAD, UNK = "<s>", "</s>", "<pad>", "<unk>"
@@ -60,14 +60,6 @@ def train_tokenizer(documents: Sequence[Document], vocab_size: int) -> PreTraine
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK
     )
-
-
-def tokenize_documents(
-    tokenizer: PreTrainedTokenizerFast, documents: Sequence[Document]
-) -> list[torch.Tensor]:
-    """Token ids of each document (with the leading ``<s>``), one 1-D tensor per document."""
-    ids = tokenizer([doc.text for doc in documents])["input_ids"]
-    return [torch.tensor(row, dtype=torch.long) for row in ids]
 
 
 class WindowSampler:

@@ -16,9 +16,10 @@ from hf_attnscale.corpus import (
     load_builtin,
     long_documents,
     split_of,
+    tokenize_documents,
 )
 from hf_attnscale.default_model import default_model_path, load_default_model
-from hf_attnscale.pretrain import perplexity, tokenize_documents
+from hf_attnscale.pretrain import perplexity
 
 # Measured on the shipped checkpoint over the first 2048 tokens of two held-out modules present in
 # every supported Python version, in 256-token windows. File heads are docstring-heavy, so this is
