@@ -75,6 +75,8 @@ def patch(
         raise ValueError(
             f"No attention modules of {family.attention_classes} found in this {type(base).__name__}."
         )
+    if reload_saved and get_config(base) == config:
+        return model  # already patched as saved: keep the live (possibly trained) parameters
     held = [m._modules.get(STATE_NAME) for m in modules]
     if any(state is not None and not isinstance(state, AttnScaleState) for state in held):
         # PEFT's modules_to_save wraps the state; a new state would be neither trained nor saved with it.

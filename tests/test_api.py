@@ -231,3 +231,13 @@ def test_every_learnable_sink_gets_a_gradient_at_init(attn):
     for layer in model.model.layers:
         grad = layer.self_attn.hfa.sink.grad
         assert grad.shape == (4,) and (grad.abs() > 0).all(), grad
+
+
+def test_patch_without_options_keeps_a_live_patch_and_its_trained_values():
+    model = hfa.patch(tiny_model("llama"), sink_logit="learnable")
+    sink = model.model.layers[0].self_attn.hfa.sink
+    with torch.no_grad():
+        sink.fill_(0.7)
+    assert hfa.patch(model) is model
+    assert model.model.layers[0].self_attn.hfa.sink is sink
+    assert torch.equal(sink, torch.full((4,), 0.7))
