@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_model
 from sharp_models import FAMILIES, VOCAB, tiny
-from transformers import AutoConfig, AutoModel
 
 import hf_attnscale as hfa
 
@@ -106,14 +106,6 @@ def test_bad_arguments_raise():
 
 
 def test_sink_cache_on_an_encoder_raises():
-    config = AutoConfig.for_model(
-        "bert",
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-    )
-    model = hfa.patch(AutoModel.from_config(config).eval())
+    model = hfa.patch(tiny_model("bert"))
     with pytest.raises(ValueError, match="encoder"):
         hfa.perplexity(model, torch.randint(2, VOCAB, (20,)), cache=hfa.SinkCache(2, 4), progress=False)

@@ -13,8 +13,9 @@ import math
 
 import pytest
 import torch
+from conftest import tiny_config
 from sharp_models import FAMILIES, VOCAB, tiny
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache
 
 import hf_attnscale as hfa
 
@@ -141,15 +142,7 @@ def test_unpatched_model_raises():
 
 def test_non_rope_model_raises():
     # A BERT used as a decoder does call cache.update(); it has no RoPE, so it must refuse.
-    config = AutoConfig.for_model(
-        "bert",
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        is_decoder=True,
-    )
+    config = tiny_config("bert", is_decoder=True)
     model = hfa.patch(AutoModelForCausalLM.from_config(config).eval())
     with pytest.raises(ValueError, match="RoPE"):
         model(torch.randint(2, VOCAB, (1, 6)), past_key_values=hfa.SinkCache(2, 4), use_cache=True)
