@@ -97,6 +97,12 @@ class AttnScaleConfig:
         """True when the patch leaves attention outputs unchanged."""
         return self.scale == "none" and not self.has_exit
 
+    @classmethod
+    def from_options(cls, **options: Any) -> AttnScaleConfig | None:
+        """A config from the patch options that are not None, or None when every option is None."""
+        given = {k: v for k, v in options.items() if v is not None}
+        return cls(**given) if given else None
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

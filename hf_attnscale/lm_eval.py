@@ -67,16 +67,10 @@ class HFAttnScaleLM(HFLM):
         chunk_size: int = 512,
         **kwargs: Any,
     ) -> None:
-        options = {
-            "scale": scale,
-            "train_length": train_length,
-            "clamp": clamp,
-            "zero_kv": zero_kv,
-            "sink_logit": sink_logit,
-        }
-        options = {k: v for k, v in options.items() if v is not None}
         # Validate everything before the model loads, which can take minutes.
-        config = AttnScaleConfig(**options) if options else None
+        config = AttnScaleConfig.from_options(
+            scale=scale, train_length=train_length, clamp=clamp, zero_kv=zero_kv, sink_logit=sink_logit
+        )
         if window is None and sink_tokens is not None:
             raise ValueError(f"sink_tokens={sink_tokens} needs window=W (the streaming cache's window).")
         self.sink_tokens = (4 if sink_tokens is None else sink_tokens) if window is not None else None

@@ -54,20 +54,17 @@ def patch(
     Example:
         >>> hfa.patch(model, scale="logn", train_length=4096, zero_kv=True)
     """
-    options = {
-        "scale": scale,
-        "train_length": train_length,
-        "clamp": clamp,
-        "zero_kv": zero_kv,
-        "sink_logit": sink_logit,
-    }
-    given = {k: v for k, v in options.items() if v is not None}
-    if config is not None and given:
-        raise ValueError(f"Pass either config= or individual options, not both (got {sorted(given)}).")
+    requested = AttnScaleConfig.from_options(
+        scale=scale, train_length=train_length, clamp=clamp, zero_kv=zero_kv, sink_logit=sink_logit
+    )
+    if config is not None and requested is not None:
+        raise ValueError(
+            "Pass either config= or the individual options (scale, train_length, ...), not both."
+        )
     base = _base_model(model)
-    reload_saved = config is None and not given
+    reload_saved = config is None and requested is None
     if config is None:
-        config = AttnScaleConfig(**given) if given else (read_saved_config(base.config) or AttnScaleConfig())
+        config = requested or read_saved_config(base.config) or AttnScaleConfig()
 
     family = family_for(base.config.model_type)
     modules = attention_modules(base, family)
