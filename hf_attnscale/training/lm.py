@@ -1,0 +1,265 @@
+"""Train a small RoPE Llama on the built-in corpus, optionally patched while it trains.
+
+The shipped demo model is trained by this script (see ``benchmarks/PRETRAIN.md`` for the command). Flags of
+note: ``--bos`` starts every training window with the BOS token, the way LLMs see documents, which is what
+lets an attention sink form on the first token; ``--zero-kv`` / ``--sink-logit`` / ``--scale`` train with an
+`hf_attnscale` patch in force, and the saved checkpoint records it (``hfa.from_pretrained`` restores it).
+
+    python -m hf_attnscale.training.lm --out runs/lm --bos --steps 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import tokenizers
+import torch
+import torch.nn.functional as F
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import hf_attnscale as hfa
+from hf_attnscale.corpus import Document, builtin_documents, tokenize_documents
+from hf_attnscale.training.loop import TrainRun, WindowSampler, make_optimizer, set_threads, write_info
+
+MODULE = "hf_attnscale.training.lm"
+BOS, EOS, PAD, UNK = "<s>", "</s>", "<pad>", "<unk>"
+DEFAULT_EVAL_LENGTHS = (256, 512, 1024, 2048, 4096)
+
+
+def train_tokenizer(documents: Sequence[Document], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE (no unknown bytes possible) that prepends ``<s>`` to every encoded text."""
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[UNK, BOS, EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2,
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator((doc.text for doc in documents), trainer=trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tokenizer.token_to_id(BOS))]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK
+    )
+
+
+@torch.inference_mode()
+def windowed_perplexity(
+    model: torch.nn.Module, token_docs: Sequence[torch.Tensor], window: int, bos_id: int | None = None
+) -> float:
+    """Token-weighted perplexity, each document scored alone in non-overlapping windows of ``window`` tokens.
+
+    The first token of every window has no context and is not scored, unless ``bos_id`` is given: then every
+    window after a document's first is read behind a BOS token (as the model was trained), and all of its
+    tokens are scored. A final partial window is scored if it has at least two tokens.
+    """
+    device = next(model.parameters()).device
+    total_nll, total_tokens = 0.0, 0
+    for doc in token_docs:
+        for start in range(0, len(doc), window):
+            ids = doc[start : start + window]
+            scored = len(ids) - 1
+            if bos_id is not None and start > 0:
+                ids, scored = torch.cat([ids.new_tensor([bos_id]), ids]), len(ids)
+            if scored < 1:
+                continue
+            ids = ids.unsqueeze(0).to(device)
+            logits = model(input_ids=ids).logits[0, -scored - 1 : -1].float()
+            total_nll += F.cross_entropy(logits, ids[0, -scored:], reduction="sum").item()
+            total_tokens += scored
+    return math.exp(total_nll / total_tokens)
+
+
+def long_eval_docs(token_docs: Sequence[torch.Tensor], max_length: int) -> list[torch.Tensor]:
+    """Documents of at least ``max_length`` tokens, cut to a multiple of it (every length scores the same text)."""
+    return [doc[: len(doc) // max_length * max_length] for doc in token_docs if len(doc) >= max_length]
+
+
+def build_model(args: argparse.Namespace, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        max_position_embeddings=args.context,
+        rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = LlamaForCausalLM(config)
+    options = patch_options(args)
+    if options:
+        hfa.patch(model, **options)
+    return model
+
+
+def patch_options(args: argparse.Namespace) -> dict:
+    """The `hfa.patch` options the model trains under (empty: unpatched)."""
+    options: dict = {}
+    if args.scale != "none":
+        options.update(scale=args.scale, train_length=args.scale_length or args.context, clamp=args.clamp)
+    if args.zero_kv:
+        options["zero_kv"] = True
+    if args.sink_logit is not None:
+        options["sink_logit"] = args.sink_logit if args.sink_logit == "learnable" else float(args.sink_logit)
+    return options
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--out", type=Path, required=True, help="run directory (checkpoint, snapshots, model)"
+    )
+    parser.add_argument("--tokenizer", type=Path, help="an existing tokenizer directory (default: train one)")
+    parser.add_argument("--vocab-size", type=int, default=4096, help="when training the tokenizer")
+    parser.add_argument("--context", type=int, default=256, help="training context length in tokens")
+    parser.add_argument("--bos", action="store_true", help="start every training window with the BOS token")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--intermediate", type=int, default=688)
+    parser.add_argument("--rope-theta", type=float, default=10000.0)
+    parser.add_argument("--steps", type=int, default=640)
+    parser.add_argument("--batch-size", type=int, default=16, help="windows per optimizer step")
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--warmup", type=int, default=50, help="linear warmup steps")
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=0)
+    patch = parser.add_argument_group("train under an hf_attnscale patch")
+    patch.add_argument("--scale", default="none", choices=("none", "logn", "ssmax", "gradmax"))
+    patch.add_argument("--scale-length", type=int, help="L of the scale law (default: --context)")
+    patch.add_argument("--clamp", action=argparse.BooleanOptionalAction, default=None)
+    patch.add_argument("--zero-kv", action="store_true")
+    patch.add_argument("--sink-logit", help="a fixed sink logit, or 'learnable'")
+    run = parser.add_argument_group("running")
+    run.add_argument("--threads", type=int, default=1, help="CPU threads for torch and tokenizers")
+    run.add_argument("--save-every", type=int, default=100, help="steps between resumable checkpoints")
+    run.add_argument("--snapshot-every", type=int, help="also save the model every N steps (for diagnostics)")
+    run.add_argument(
+        "--stop-after", type=int, help="stop at this step (checkpoint saved); run again to continue"
+    )
+    run.add_argument(
+        "--eval-lengths",
+        type=int,
+        nargs="*",
+        default=list(DEFAULT_EVAL_LENGTHS),
+        help="held-out perplexity lengths, on held-out documents at least max(lengths) tokens long",
+    )
+    return parser.parse_args(argv)
+
+
+# Settings that do not change the trained weights, so a resumed run may change them.
+_RUNTIME_ONLY = {"out", "threads", "save_every", "stop_after", "eval_lengths"}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    set_threads(args.threads)
+    torch.manual_seed(args.seed)
+    started = time.perf_counter()
+
+    train_docs, heldout_docs = builtin_documents("train"), builtin_documents("heldout")
+    if args.tokenizer is not None:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
+    else:
+        tokenizer = train_tokenizer(train_docs, args.vocab_size)
+    train_tokens = tokenize_documents(tokenizer, train_docs)
+    heldout_tokens = tokenize_documents(tokenizer, heldout_docs)
+    corpus_tokens = sum(len(t) for t in train_tokens)
+    tqdm.write(f"{len(train_docs)} train docs, {corpus_tokens} tokens")
+
+    model = build_model(args, tokenizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    tqdm.write(f"model: {n_params / 1e6:.2f}M parameters, patch: {hfa.get_config(model)}")
+    # One extra token per window so that every one of the `context` positions gets a target.
+    bos_id = tokenizer.bos_token_id if args.bos else None
+    sampler = WindowSampler(train_tokens, args.context + 1, args.seed, bos_id=bos_id)
+    settings = {
+        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in _RUNTIME_ONLY
+    }
+    run = TrainRun(
+        out=args.out,
+        model=model,
+        optimizer=make_optimizer(model, args.lr, args.weight_decay),
+        steps=args.steps,
+        warmup=args.warmup,
+        settings=settings,
+        generators={"sampler": sampler.generator},
+    )
+
+    def loss_fn() -> torch.Tensor:
+        batch = sampler.sample(args.batch_size)
+        logits = model(input_ids=batch[:, :-1]).logits
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+
+    def snapshot(path: Path) -> None:
+        model.save_pretrained(path)
+
+    train_started = time.perf_counter()
+    first_step = run.step
+    finished = run.run(
+        loss_fn,
+        save_every=args.save_every,
+        snapshot_every=args.snapshot_every,
+        on_snapshot=snapshot,
+        stop_after=args.stop_after,
+    )
+    train_seconds = time.perf_counter() - train_started
+    if not finished:
+        tqdm.write(f"stopped at step {run.step}/{args.steps}; run the same command again to continue")
+        return
+
+    heldout_ppl = windowed_perplexity(model, heldout_tokens, args.context, bos_id)
+    tqdm.write(f"held-out perplexity at {args.context}: {heldout_ppl:.3f}")
+    long_docs = long_eval_docs(heldout_tokens, max(args.eval_lengths)) if args.eval_lengths else []
+    length_ppl = {str(n): windowed_perplexity(model, long_docs, n, bos_id) for n in args.eval_lengths}
+    for length, ppl in length_ppl.items():
+        tqdm.write(f"long held-out docs, window {length}: perplexity {ppl:.3f}")
+
+    model.save_pretrained(args.out)
+    tokenizer.save_pretrained(args.out)
+    tokens_per_step = args.batch_size * args.context
+    write_info(
+        args.out,
+        {
+            "command": shlex.join(["python", "-m", MODULE, *argv]),
+            "settings": settings,
+            "parameters": n_params,
+            "patch": None if hfa.get_config(model) is None else hfa.get_config(model).to_dict(),
+            "steps": args.steps,
+            "tokens_seen": args.steps * tokens_per_step,
+            "train_corpus_tokens": corpus_tokens,
+            "train_tokens_per_second": (run.step - first_step) * tokens_per_step / max(train_seconds, 1e-9),
+            "final_train_loss": run.final_loss,
+            "loss_log": run.log,
+            f"heldout_ppl_{args.context}": heldout_ppl,
+            "heldout_documents": len(heldout_docs),
+            "long_heldout_ppl": length_ppl,
+            "long_heldout_documents": len(long_docs),
+            "long_heldout_tokens": sum(len(d) for d in long_docs),
+            "train_seconds_this_session": train_seconds,
+            "wall_seconds_this_session": time.perf_counter() - started,
+        },
+    )
+    tqdm.write(f"saved to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""What the causal-LM and MLM trainers share: window sampling, the optimizer, and resumable checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+import torch
+import transformers
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import get_cosine_schedule_with_warmup
+
+CHECKPOINT = "checkpoint.pt"
+SNAPSHOTS = "snapshots"
+
+
+class WindowSampler:
+    """Random fixed-length windows, each from one document, uniform over all start positions.
+
+    With ``bos_id``, every window starts with that token followed by ``length - 1`` tokens of text, the way
+    LLMs are trained on documents that begin with BOS (and the way attention sinks form on token 0).
+    """
+
+    def __init__(
+        self, token_docs: Sequence[torch.Tensor], length: int, seed: int, bos_id: int | None = None
+    ) -> None:
+        self.text_length = length - (bos_id is not None)
+        self.docs = [doc for doc in token_docs if len(doc) >= self.text_length]
+        if not self.docs:
+            raise ValueError(f"No document has the {self.text_length} tokens a training window needs.")
+        self.length = length
+        self.bos_id = bos_id
+        self.weights = torch.tensor(
+            [len(doc) - self.text_length + 1 for doc in self.docs], dtype=torch.float64
+        )
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def sample(self, batch_size: int) -> torch.Tensor:
+        """``(batch_size, length)`` token ids."""
+        doc_ids = torch.multinomial(self.weights, batch_size, replacement=True, generator=self.generator)
+        rows = []
+        for i in doc_ids.tolist():
+            start = int(torch.randint(int(self.weights[i]), (1,), generator=self.generator))
+            window = self.docs[i][start : start + self.text_length]
+            if self.bos_id is not None:
+                window = torch.cat([window.new_tensor([self.bos_id]), window])
+            rows.append(window)
+        return torch.stack(rows)
+
+
+def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norm gains, biases, sink logits and slopes are not decayed)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+
+
+@dataclass
+class TrainRun:
+    """One resumable training run in ``out``: the step loop, its checkpoints and its log.
+
+    Args:
+        out: the run's directory.
+        model, optimizer: what is trained.
+        steps, warmup: the cosine schedule's length and linear warmup.
+        settings: everything that defines the run (a resumed run must have the same).
+        generators: random generators whose state must survive a restart (samplers, masking).
+    """
+
+    out: Path
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    steps: int
+    warmup: int
+    settings: dict[str, Any]
+    generators: dict[str, torch.Generator] = field(default_factory=dict)
+    step: int = 0
+    log: list[dict[str, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.schedule = get_cosine_schedule_with_warmup(self.optimizer, self.warmup, self.steps)
+        path = self.out / CHECKPOINT
+        if path.exists():
+            self._resume(torch.load(path, weights_only=False))
+
+    def _resume(self, state: dict[str, Any]) -> None:
+        if state["settings"] != self.settings:
+            changed = sorted(
+                k
+                for k in {*state["settings"], *self.settings}
+                if state["settings"].get(k) != self.settings.get(k)
+            )
+            raise ValueError(
+                f"{self.out / CHECKPOINT} belongs to a run with other settings (they differ in {changed}); "
+                "pass another --out, or delete the checkpoint to start over."
+            )
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        for name, generator in self.generators.items():
+            generator.set_state(state["generators"][name])
+        torch.set_rng_state(state["torch_rng"])
+        self.step, self.log = state["step"], state["log"]
+        tqdm.write(f"resumed {self.out} at step {self.step}/{self.steps}")
+
+    def save_checkpoint(self) -> None:
+        """Write the whole training state atomically (a crash mid-write keeps the previous checkpoint)."""
+        state = {
+            "settings": self.settings,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "generators": {name: g.get_state() for name, g in self.generators.items()},
+            "torch_rng": torch.get_rng_state(),
+            "step": self.step,
+            "log": self.log,
+        }
+        self.out.mkdir(parents=True, exist_ok=True)
+        tmp = self.out / (CHECKPOINT + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.out / CHECKPOINT)
+
+    def run(
+        self,
+        loss_fn: Callable[[], torch.Tensor],
+        *,
+        save_every: int,
+        snapshot_every: int | None,
+        on_snapshot: Callable[[Path], None],
+        stop_after: int | None = None,
+        log_every: int = 25,
+    ) -> bool:
+        """Train from the current step to ``steps`` (or ``stop_after``): one ``loss_fn()`` per step.
+
+        Gradients are clipped at norm 1. Returns whether the run is complete; a run stopped early has saved
+        its checkpoint, and running it again continues from there.
+        """
+        self.model.train()
+        recent: list[float] = []
+        last = self.steps if stop_after is None else min(self.steps, stop_after)
+        bar = tqdm(range(self.step + 1, last + 1), desc=self.out.name, unit="step", mininterval=10)
+        for step in bar:
+            loss = loss_fn()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.optimizer.step()
+            self.schedule.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step = step
+            recent.append(loss.item())
+            if step % log_every == 0 or step == self.steps:
+                self.log.append({"step": step, "loss": sum(recent) / len(recent)})
+                tqdm.write(f"{self.out.name} step {step}/{self.steps} loss {self.log[-1]['loss']:.4f}")
+                recent = []
+            if snapshot_every and (step % snapshot_every == 0 or step == self.steps):
+                self.model.eval()
+                on_snapshot(self.out / SNAPSHOTS / f"step-{step:06d}")
+                self.model.train()
+            if step % save_every == 0 or step == last:
+                self.save_checkpoint()
+        self.model.eval()
+        return self.step == self.steps
+
+    @property
+    def final_loss(self) -> float | None:
+        """Mean training loss of the last logged interval."""
+        return self.log[-1]["loss"] if self.log else None
+
+
+def versions() -> dict[str, str]:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+    }
+
+
+def write_info(out: Path, info: dict[str, Any]) -> None:
+    """``training_info.json``: the command, settings, measured numbers and versions of a finished run."""
+    (out / "training_info.json").write_text(json.dumps({**info, "versions": versions()}, indent=2) + "\n")
+
+
+def set_threads(threads: int) -> None:
+    # The Rust tokenizers pool reads this when it first starts, which is after this line.
+    os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
+    torch.set_num_threads(threads)
