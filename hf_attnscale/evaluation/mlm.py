@@ -1,0 +1,145 @@
+"""Encoders by length: MLM accuracy (the measure of Su's Attention-E table) and pseudo-perplexity.
+
+Both read each document in non-overlapping windows of ``length`` tokens, each window on its own, so that
+longer windows give each masked token more context. The masked positions are drawn once per document, from
+``seed``, and are the same at every length: the lengths differ only in how much context a token gets.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hf_attnscale.validation import check_int
+
+
+@dataclass(frozen=True)
+class MaskedLMResult:
+    """One length: accuracy of the top-1 prediction at masked positions, and their mean NLL."""
+
+    length: int
+    accuracy: float
+    nll: float
+    tokens: int
+
+    @property
+    def perplexity(self) -> float:
+        """``exp`` of the mean NLL of the masked tokens (a pseudo-perplexity when masked one at a time)."""
+        return math.exp(self.nll)
+
+
+def _check_documents(documents: Sequence[torch.Tensor], lengths: Sequence[int]) -> tuple[list[int], list]:
+    lengths = sorted({check_int("length", n, 2) for n in lengths})
+    longest = lengths[-1]
+    bad = [n for n in lengths if longest % n]
+    if bad:
+        raise ValueError(f"Every length must divide the longest ({longest}); {bad} do not.")
+    docs = [d[: d.numel() // longest * longest] for d in documents if d.numel() >= longest]
+    if not docs:
+        raise ValueError(f"No document has at least {longest} tokens (the longest length asked for).")
+    return lengths, docs
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def masked_lm_accuracy(
+    model: nn.Module,
+    documents: Sequence[torch.Tensor],
+    lengths: Sequence[int],
+    mask_token_id: int,
+    *,
+    fraction: float = 0.15,
+    seed: int = 0,
+    batch_size: int = 8,
+) -> list[MaskedLMResult]:
+    """MLM accuracy by window length, with ``fraction`` of the tokens masked at once (BERT's setting).
+
+    Args:
+        model: a masked LM (``...ForMaskedLM``) in eval mode.
+        documents: token ids of each document; those shorter than ``max(lengths)`` are skipped, the rest cut
+            to a multiple of it.
+        lengths: window lengths; each must divide the longest.
+        mask_token_id: the tokenizer's ``mask_token_id``.
+        fraction: share of tokens masked in every window (all replaced by the mask token).
+        seed: draws the masked positions, the same at every length.
+    """
+    if not 0 < fraction < 1:
+        raise ValueError(f"fraction must be in (0, 1), got {fraction}.")
+    lengths, docs = _check_documents(documents, lengths)
+    generator = torch.Generator().manual_seed(seed)
+    masks = [torch.rand(doc.shape, generator=generator) < fraction for doc in docs]
+    results = []
+    for length in lengths:
+        ids = torch.cat([d.view(-1, length) for d in docs])
+        masked = torch.cat([m.view(-1, length) for m in masks])
+        correct = nll = 0.0
+        for start in range(0, ids.shape[0], batch_size):
+            rows, where = ids[start : start + batch_size], masked[start : start + batch_size]
+            inputs = rows.masked_fill(where, mask_token_id).to(_device(model))
+            logits = model(input_ids=inputs).logits.float().cpu()[where]
+            targets = rows[where]
+            correct += (logits.argmax(-1) == targets).sum().item()
+            nll += nn.functional.cross_entropy(logits, targets, reduction="sum").item()
+        count = int(masked.sum())
+        results.append(MaskedLMResult(length, correct / count, nll / count, count))
+    return results
+
+
+@torch.no_grad()
+def pseudo_perplexity(
+    model: nn.Module,
+    documents: Sequence[torch.Tensor],
+    lengths: Sequence[int],
+    mask_token_id: int,
+    *,
+    positions_per_window: int = 16,
+    seed: int = 0,
+    batch_size: int = 16,
+) -> list[MaskedLMResult]:
+    """Pseudo-perplexity by window length (Salazar et al.): each scored token masked alone, the rest visible.
+
+    Scoring every token costs one forward pass per token, so each window scores ``positions_per_window``
+    positions drawn from ``seed``; the positions are those of the longest windows, so every length scores
+    the same tokens. Accuracy is reported for the same predictions.
+    """
+    lengths, docs = _check_documents(documents, lengths)
+    longest = lengths[-1]
+    count = check_int("positions_per_window", positions_per_window, 1)
+    generator = torch.Generator().manual_seed(seed)
+    chosen = [
+        torch.cat(
+            [
+                w * longest + torch.randperm(longest, generator=generator)[:count].sort().values
+                for w in range(d.numel() // longest)
+            ]
+        )
+        for d in docs
+    ]
+    results = []
+    for length in lengths:
+        inputs, targets, where = [], [], []
+        for doc, positions in zip(docs, chosen):
+            for p in positions.tolist():
+                start = p // length * length
+                inputs.append(doc[start : start + length])
+                where.append(p - start)
+                targets.append(int(doc[p]))
+        correct = nll = 0.0
+        for first in range(0, len(inputs), batch_size):
+            rows = torch.stack(inputs[first : first + batch_size]).clone()
+            index = torch.tensor(where[first : first + batch_size])
+            rows[torch.arange(rows.shape[0]), index] = mask_token_id
+            logits = model(input_ids=rows.to(_device(model))).logits.float().cpu()
+            picked = logits[torch.arange(rows.shape[0]), index]
+            want = torch.tensor(targets[first : first + batch_size])
+            correct += (picked.argmax(-1) == want).sum().item()
+            nll += nn.functional.cross_entropy(picked, want, reduction="sum").item()
+        results.append(MaskedLMResult(length, correct / len(targets), nll / len(targets), len(targets)))
+    return results
