@@ -34,7 +34,7 @@ VARIANTS: dict[str, dict | None] = {
 def base_model(name: str) -> tuple[torch.nn.Module, int]:
     """(model in float32, trained length): the shipped checkpoint, or bench_overhead.py's larger Llama."""
     if name == "shipped":
-        from hf_attnscale.default_model import load_default_model
+        from hf_attnscale.evaluation.models import load_default_model
 
         model, _ = load_default_model()
         return model, 256

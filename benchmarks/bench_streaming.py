@@ -247,8 +247,8 @@ def latency(args) -> str:
 # ---------------------------------------------------------------------------------------------------------
 def quality(args) -> str:
     """The four methods on real text: the shipped tiny Llama (trained at 256 tokens), held-out documents."""
-    from hf_attnscale.corpus import long_documents
-    from hf_attnscale.default_model import load_default_model
+    from hf_attnscale.evaluation.corpus import long_documents
+    from hf_attnscale.evaluation.models import load_default_model
 
     model, tokenizer = load_default_model()
     hfa.patch(model)

@@ -4,6 +4,6 @@ lm-eval imports this file by path (from the YAML's folder). The documents are bu
 Python's standard library sources, so the tasks need no data file, no absolute path and no network.
 """
 
-from hf_attnscale.lm_eval import builtin_dataset
+from hf_attnscale.integrations.lm_eval_harness import builtin_dataset
 
 __all__ = ["builtin_dataset"]

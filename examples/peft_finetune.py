@@ -29,8 +29,8 @@ from accelerate import Accelerator
 from peft import get_peft_model
 
 import hf_attnscale as hfa
-from hf_attnscale.corpus import builtin_documents, long_documents
-from hf_attnscale.default_model import load_default_model
+from hf_attnscale.evaluation.corpus import builtin_documents, long_documents
+from hf_attnscale.evaluation.models import load_default_model
 
 TRAINED_LENGTH = 256
 MULTIPLES = (1, 2, 4, 8)

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import sys
 import time
@@ -21,18 +22,11 @@ from typing import Any
 
 import torch
 
-from .corpus import tokenize_documents
-from .evaluate import (
-    DEFAULT_DATA,
-    DEFAULT_MODEL,
-    SweepResult,
-    Variant,
-    demo_variants,
-    load_documents,
-    parse_lengths,
-    resolve_model_path,
-    sweep,
-)
+from .evaluation.corpus import tokenize_documents
+from .evaluation.documents import DEFAULT_DATA, load_documents
+from .evaluation.models import DEFAULT_MODEL, load_default_model, load_model
+from .evaluation.report import SweepResult
+from .evaluation.sweep import Variant, demo_variants, sweep
 
 DTYPES = {
     "auto": "auto",
@@ -60,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["lm-eval"]:
         # Everything after the subcommand belongs to lm-eval's parser, --help included.
         try:
-            from .lm_eval import main as lm_eval_main
+            from .integrations.lm_eval_harness import main as lm_eval_main  # optional: needs lm-eval
         except ImportError as err:
             print(
                 f"hf-attnscale lm-eval: error: {err}. Install it with: pip install 'hf_attnscale[eval]'",
@@ -179,6 +173,19 @@ def _add_runtime_options(parser: argparse.ArgumentParser, threads: int | None = 
     )
 
 
+def parse_lengths(text: str) -> list[int]:
+    """``"256,512,1k,2k"`` -> ``[256, 512, 1024, 2048]`` (``k`` is 1024)."""
+    lengths = []
+    for item in filter(None, (part.strip().lower() for part in text.split(","))):
+        match = re.fullmatch(r"(\d+)(k?)", item)
+        if match is None:
+            raise ValueError(f"Bad length {item!r} in {text!r}; write token counts such as 512,1k,2k,4k.")
+        lengths.append(int(match[1]) * (1024 if match[2] else 1))
+    if not lengths:
+        raise ValueError(f"No lengths in {text!r}; write token counts such as 512,1k,2k,4k.")
+    return lengths
+
+
 def _lengths(text: str) -> list[int]:
     try:
         return parse_lengths(text)
@@ -197,8 +204,6 @@ def _sink_logit(text: str) -> float | str:
 
 def run_demo(args: argparse.Namespace) -> int:
     """``hf-attnscale demo``: the shipped model on the built-in held-out corpus, five variants."""
-    from .default_model import load_default_model
-
     started = time.perf_counter()
     device = _device(args.device)
     _set_threads(args.threads)
@@ -284,42 +289,6 @@ def describe(options: dict[str, Any], sink_tokens: int, window: int | None) -> s
     if window is not None:
         parts.append(f"sink+window ({sink_tokens}+{window})" if sink_tokens else f"window-only ({window})")
     return " + ".join(parts) or "unpatched"
-
-
-def load_model(name: str, device: torch.device, dtype: Any, attn_implementation: str = "sdpa"):
-    """A causal LM (in eval mode, on ``device``) and its tokenizer from a local directory or the Hub.
-
-    Raises:
-        FileNotFoundError: no such local directory, or the Hub cannot provide it (offline, unknown id).
-        ValueError: the checkpoint is not a causal language model.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    resolved = resolve_model_path(name)
-    path = Path(resolved).expanduser()
-    # Anything that cannot be a Hub id ("org/name") is a local path; never send it to the Hub.
-    looks_local = path.exists() or resolved.startswith((".", "/", "~")) or resolved.count("/") > 1
-    if looks_local and not (path / "config.json").is_file():
-        what = "does not exist" if not path.exists() else "has no config.json"
-        raise FileNotFoundError(
-            f"Model directory {resolved!r} {what}; pass a saved model directory or a Hub id."
-        )
-    source = str(path) if looks_local else resolved
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, attn_implementation=attn_implementation
-        )
-    except OSError as err:
-        raise FileNotFoundError(
-            f"Cannot load model {name!r}: it is not a local directory, and the Hugging Face Hub could not "
-            f"provide it (offline, private, or no such id). {err}"
-        ) from err
-    except ValueError as err:
-        if "Unrecognized configuration class" in str(err):
-            raise ValueError(f"Model {name!r} is not a causal language model: {err}") from err
-        raise
-    return model.to(device).eval(), tokenizer
 
 
 def _run_sweep(

@@ -9,12 +9,13 @@ import pytest
 import torch
 from conftest import VOCAB, tiny_model
 from reference import reference_attention
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import BloomConfig, BloomForCausalLM
 from transformers.modeling_utils import AttentionInterface
 
 import hf_attnscale as hfa
-from hf_attnscale import attention
-from hf_attnscale.attention import fused_sink_attention_cpu, visible_key_counts
+from hf_attnscale.core import kernels, patching
+from hf_attnscale.core.attention import visible_key_counts
+from hf_attnscale.core.kernels import fused_sink_attention_cpu
 
 
 @pytest.mark.parametrize(
@@ -43,11 +44,13 @@ def test_bad_options_raise_value_error(options, message):
     assert hfa.get_config(model) is None and model.config._attn_implementation == "sdpa"
 
 
-def test_unsupported_model_names_supported_types():
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
-    with pytest.raises(ValueError, match=r"does not support model_type 'gpt2'.*llama.*mistral.*roformer"):
+def test_unsupported_model_says_why():
+    model = BloomForCausalLM(BloomConfig(n_layer=1, hidden_size=16, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match=r"model_type 'bloom'.*calls transformers' AttentionInterface"):
         hfa.patch(model, scale="logn", train_length=8)
-    assert "gpt2" not in hfa.supported_model_types() and "qwen3" in hfa.supported_model_types()
+    assert hfa.get_config(model) is None
+    supported = hfa.supported_model_types()
+    assert "bloom" not in supported and {"qwen3", "gpt2", "roformer", "bert"} <= set(supported)
 
 
 def test_failed_patch_leaves_model_untouched(monkeypatch):
@@ -59,12 +62,15 @@ def test_failed_patch_leaves_model_untouched(monkeypatch):
         want = model(input_ids=ids).logits
     calls = []
 
-    def explode(module, model):
-        calls.append(module)
+    real_routed_config = patching.routed_config
+
+    def explode(config):
+        calls.append(config)
         if len(calls) == 2:
             raise RuntimeError("boom")
+        return real_routed_config(config)
 
-    monkeypatch.setattr("hf_attnscale.streaming.install_streaming_forward", explode)
+    monkeypatch.setattr(patching, "routed_config", explode)
     with pytest.raises(RuntimeError, match="boom"):
         hfa.patch(model, sink_logit="learnable", scale="ssmax", train_length=4)
     assert hfa.get_config(model) == hfa.AttnScaleConfig(scale="logn", train_length=4)
@@ -165,7 +171,7 @@ def test_fully_masked_row_with_exit_gives_zeros(attn):
     mask[:, :, 0] = False  # the first query sees nothing
     if attn == "eager":
         mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
-    fn = AttentionInterface._global_mapping[model.config._attn_implementation]
+    fn = AttentionInterface._global_mapping[module.config._attn_implementation]
     out, _ = fn(module, q, k, v, mask, scaling=8**-0.5, dropout=0.0)
     assert torch.isfinite(out).all()
     assert torch.equal(out[:, 0], torch.zeros_like(out[:, 0]))
@@ -186,7 +192,7 @@ def test_sdpa_keeps_is_causal_fast_path(monkeypatch):
         seen.append(("sdpa", is_causal, attn_mask))
         return real_sdpa(*args, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
 
-    monkeypatch.setattr(attention.torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", spy_op)
+    monkeypatch.setattr(kernels.torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", spy_op)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy_sdpa)
     ids = torch.randint(3, VOCAB, (2, 16))
     for options in (

@@ -9,8 +9,8 @@ import pytest
 from test_evaluate import single_thread, tiny_lm_with_tokenizer  # noqa: F401 (an autouse fixture)
 
 from hf_attnscale.cli import build_parser, main
-from hf_attnscale.corpus import builtin_documents
-from hf_attnscale.default_model import default_model_path
+from hf_attnscale.evaluation.corpus import builtin_documents
+from hf_attnscale.evaluation.models import default_model_path
 
 
 @pytest.fixture(scope="module")
@@ -102,20 +102,21 @@ def test_eval_errors_are_one_clear_line(model_dir, data_file, tmp_path, capsys, 
 
 
 def test_eval_rejects_a_model_the_patch_does_not_support(data_file, tmp_path, capsys):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import BloomConfig, BloomForCausalLM
 
-    path = tmp_path / "gpt2"
+    path = tmp_path / "bloom"
     _, tokenizer = tiny_lm_with_tokenizer()
-    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2)).save_pretrained(
-        path
-    )
+    BloomForCausalLM(
+        BloomConfig(vocab_size=len(tokenizer), hidden_size=32, n_layer=1, n_head=2)
+    ).save_pretrained(path)
     tokenizer.save_pretrained(path)
     common = ["eval", "--model", str(path), "--data", str(data_file), "--lengths", "16,32", "--no-progress"]
+    common += ["--attn-implementation", "eager"]  # Bloom has no sdpa
     code, _, err = run(
         capsys, *common, "--scale", "logn", "--train-length", "16", "--out", str(tmp_path / "a")
     )
     assert code == 2
-    assert "does not support model_type 'gpt2'. Supported model types: " in err and "llama" in err
+    assert "model_type 'bloom'" in err and "AttentionInterface" in err and "supported_model_types" in err
     # Unpatched, any causal LM works.
     code, out, err = run(capsys, *common, "--out", str(tmp_path / "b"))
     assert code == 0, err

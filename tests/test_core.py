@@ -11,7 +11,7 @@ from conftest import DECODERS, ENCODERS, VOCAB, model_output, tiny_model
 from reference import make_reference, reference_attention
 
 import hf_attnscale as hfa
-from hf_attnscale.families import family_for
+from hf_attnscale.core.families import attention_modules
 
 FEATURES = {
     "logn": {"scale": "logn", "train_length": 2},
@@ -50,7 +50,7 @@ def _pair(model_type: str, attn: str, options: dict):
     reference = copy.deepcopy(patched)
     hfa.patch(patched, **options)
     ref_options = dict(options)
-    refs = make_reference(reference, family_for(model_type).attention_classes, **ref_options)
+    refs = make_reference(reference, {type(m).__name__ for m in attention_modules(reference)}, **ref_options)
     states = [m.hfa for m in patched.modules() if hasattr(m, "hfa") and isinstance(m.hfa, torch.nn.Module)]
     gen = torch.Generator().manual_seed(7)
     for state, ref in zip(states, refs, strict=True):

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_attnscale import default_model
-from hf_attnscale.corpus import (
+from hf_attnscale.evaluation import models as default_model
+from hf_attnscale.evaluation.corpus import (
     BUILTIN_SPECS,
     MIN_CHARS,
     builtin_documents,
@@ -18,8 +18,8 @@ from hf_attnscale.corpus import (
     split_of,
     tokenize_documents,
 )
-from hf_attnscale.default_model import default_model_path, load_default_model
-from hf_attnscale.pretrain import perplexity
+from hf_attnscale.evaluation.models import default_model_path, load_default_model
+from hf_attnscale.training.lm import windowed_perplexity as perplexity
 
 # Measured on the shipped checkpoint over the first 2048 tokens of two held-out modules present in
 # every supported Python version, in 256-token windows. File heads are docstring-heavy, so this is

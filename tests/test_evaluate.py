@@ -1,4 +1,4 @@
-"""The length sweep (hf_attnscale.evaluate): its definition, its variants, its data loading and its outputs."""
+"""The length sweep (hf_attnscale.evaluation.sweep): its definition, its variants, its data loading and its outputs."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from conftest import tiny_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_attnscale as hfa
-from hf_attnscale.corpus import Document, builtin_documents
-from hf_attnscale.evaluate import Variant, demo_variants, load_documents, parse_lengths, sweep
-from hf_attnscale.pretrain import train_tokenizer
+from hf_attnscale.cli import parse_lengths
+from hf_attnscale.evaluation.corpus import Document, builtin_documents
+from hf_attnscale.evaluation.documents import load_documents
+from hf_attnscale.evaluation.sweep import Variant, demo_variants, sweep
+from hf_attnscale.training.lm import train_tokenizer
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -20,7 +20,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
 import hf_attnscale as hfa
-from hf_attnscale.finetune import ADAPTER_PATCH_FILE, attention_projections
+from hf_attnscale.integrations.peft_adapters import ADAPTER_PATCH_FILE, attention_projections
 
 # A patch with both kinds of parameters (per-head sink logits and SSMax slopes), active at 16 tokens.
 LEARNABLE = {"scale": "ssmax", "train_length": 4, "sink_logit": "learnable"}

@@ -20,9 +20,9 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from test_evaluate import single_thread, tiny_lm_with_tokenizer  # noqa: E402, F401 (an autouse fixture)
 
 import hf_attnscale as hfa  # noqa: E402
-from hf_attnscale.corpus import builtin_documents, long_documents  # noqa: E402
-from hf_attnscale.default_model import default_model_path  # noqa: E402
-from hf_attnscale.lm_eval import HFAttnScaleLM  # noqa: E402
+from hf_attnscale.evaluation.corpus import builtin_documents, long_documents  # noqa: E402
+from hf_attnscale.evaluation.models import default_model_path  # noqa: E402
+from hf_attnscale.integrations.lm_eval_harness import HFAttnScaleLM  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 EVAL_CONFIGS = REPO / "eval_configs"
@@ -152,7 +152,7 @@ def test_streaming_scores_whole_documents_through_a_sink_cache(tiny, texts, mana
 
 
 def test_bad_options_fail_before_loading():
-    with pytest.raises(ValueError, match="sink_tokens=4 needs window"):
+    with pytest.raises(ValueError, match="sink_tokens=4 needs a window"):
         HFAttnScaleLM(pretrained="/nonexistent/model", sink_tokens=4)
     with pytest.raises(ValueError, match="needs train_length"):
         HFAttnScaleLM(pretrained="/nonexistent/model", scale="logn")
@@ -174,7 +174,7 @@ def test_launcher_runs_lm_eval_cli_end_to_end(tiny, task_dir, streamed, tmp_path
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "hf_attnscale.lm_eval", *args],
+        [sys.executable, "-m", "hf_attnscale.integrations.lm_eval_harness", *args],
         capture_output=True,
         text=True,
         env=env,

@@ -362,7 +362,7 @@ def test_assisted_decoding_raises_clearly():
 
 def test_long_prompt_is_processed_in_pieces(monkeypatch):
     """A call longer than PIECE_TOKENS runs each layer in pieces: same logits, same cache, as one piece."""
-    import hf_attnscale.streaming as streaming
+    from hf_attnscale.streaming import cache as streaming
 
     model = hfa.patch(tiny())
     ids = torch.randint(2, VOCAB, (2, 40))

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import hf_attnscale as hfa
-from hf_attnscale.corpus import Document, builtin_documents, tokenize_documents
+from hf_attnscale.evaluation.corpus import Document, builtin_documents, tokenize_documents
 from hf_attnscale.training.loop import TrainRun, WindowSampler, make_optimizer, set_threads, write_info
 
 MODULE = "hf_attnscale.training.lm"

@@ -23,9 +23,9 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, RoFormerConfig, RoFormerForMaskedLM
 
 import hf_attnscale as hfa
-from hf_attnscale.corpus import builtin_documents, tokenize_documents
-from hf_attnscale.default_model import default_model_path
+from hf_attnscale.evaluation.corpus import builtin_documents, tokenize_documents
 from hf_attnscale.evaluation.mlm import masked_lm_accuracy
+from hf_attnscale.evaluation.models import default_model_path
 from hf_attnscale.training.loop import TrainRun, WindowSampler, make_optimizer, set_threads, write_info
 
 MODULE = "hf_attnscale.training.mlm"

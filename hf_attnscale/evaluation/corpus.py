@@ -13,12 +13,10 @@ import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import Literal, get_args
 
 import torch
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 Split = Literal["train", "heldout"]
 

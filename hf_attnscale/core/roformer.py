@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import STATE_NAME, scaled_attention
+from .attention import scaled_attention
+from .state import state_of
 
 
 def _roformer_eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -57,7 +58,7 @@ def roformer_self_attention_forward(
         cache = getattr(past_key_values, "self_attention_cache", past_key_values)
         key, value = cache.update(key, value, self.layer_idx)
     out, probs = scaled_attention(
-        self._modules[STATE_NAME],
+        state_of(self),
         "eager",
         _roformer_eager,
         self,

@@ -21,7 +21,9 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from .cache import SinkCache
+from hf_attnscale.streaming.cache import SinkCache
+from hf_attnscale.streaming.pos_shift import check_streaming_model
+from hf_attnscale.validation import check_int
 
 Method = Literal["stream", "dense", "recompute"]
 METHODS = ("stream", "dense", "recompute")
@@ -96,13 +98,10 @@ def perplexity(
     method = method or ("stream" if cache is not None else "dense")
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}.")
+    chunk_size = check_int("chunk_size", chunk_size, 1)
     ids = _one_stream(input_ids, model)
     if max_length is not None:
-        if max_length < 2:
-            raise ValueError(f"max_length must be at least 2, got {max_length}.")
-        ids = ids[:, :max_length]
+        ids = ids[:, : check_int("max_length", max_length, 2)]
     if ids.shape[1] < 2:
         raise ValueError("Perplexity needs a stream of at least 2 tokens.")
 
@@ -113,8 +112,6 @@ def perplexity(
             raise ValueError(
                 "The SinkCache already holds a stream; pass a fresh one (or call cache.reset())."
             )
-        from .streaming import check_streaming_model
-
         check_streaming_model(model)
         details = {"sink_tokens": cache.sink_tokens, "window": cache.window, "chunk_size": chunk_size}
         run = lambda bar: _chunked(model, ids, cache, chunk_size, bar)  # noqa: E731
@@ -124,8 +121,11 @@ def perplexity(
         details = {"chunk_size": chunk_size}
         run = lambda bar: _chunked(model, ids, DynamicCache(config=model.config), chunk_size, bar)  # noqa: E731
     else:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"method='recompute' needs window, an int >= 1, got {window!r}.")
+        if window is None:
+            raise ValueError(
+                "method='recompute' needs window, an int >= 1 (the tokens each re-encoded window holds)."
+            )
+        window = check_int("window", window, 1)
         details = {"window": window}
         run = lambda bar: _recompute(model, ids, window, bar)  # noqa: E731
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-SCALES = ("none", "logn", "ssmax", "gradmax")
+from hf_attnscale.validation import check_int
+
 CONFIG_KEY = "attn_scale"
 """Attribute of `model.config` that holds the patch, so `save_pretrained` writes it to config.json."""
 
 ScaleName = Literal["none", "logn", "ssmax", "gradmax"]
+SCALES: tuple[str, ...] = get_args(ScaleName)
 SinkLogit = float | Literal["learnable"] | None
 
 
@@ -53,12 +55,11 @@ class AttnScaleConfig:
             if self.clamp is not None:
                 raise ValueError("clamp only applies with a scale; pass scale='logn', 'ssmax' or 'gradmax'.")
         else:
-            if isinstance(self.train_length, bool) or not isinstance(self.train_length, int):
+            if self.train_length is None:
                 raise ValueError(
                     f"scale={self.scale!r} needs train_length, an int >= 2 (the trained context length)."
                 )
-            if self.train_length < 2:
-                raise ValueError(f"train_length must be an int >= 2, got {self.train_length}.")
+            object.__setattr__(self, "train_length", check_int("train_length", self.train_length, 2))
             if self.clamp is None:
                 object.__setattr__(self, "clamp", self.scale != "ssmax")
             elif not isinstance(self.clamp, bool):

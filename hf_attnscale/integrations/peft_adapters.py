@@ -40,10 +40,11 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from .attention import STATE_NAME, AttnScaleState
-from .config import AttnScaleConfig
-from .families import attention_modules, family_for
-from .patching import _base_model, get_config, patch
+from hf_attnscale.core.config import AttnScaleConfig
+from hf_attnscale.core.families import attention_modules
+from hf_attnscale.core.models import unwrap
+from hf_attnscale.core.patching import patch
+from hf_attnscale.core.state import STATE_NAME, active_state, get_config
 
 if TYPE_CHECKING:
     from peft import LoraConfig, PeftModel
@@ -69,28 +70,13 @@ def trainable_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]
     the forward uses and the optimizer should update. Yields nothing when the patch has no parameters.
     """
     for name, module in model.named_modules():
-        state = module._modules.get(STATE_NAME)
+        child = module._modules.get(STATE_NAME)
+        state = active_state(child)
         if state is None:
             continue
         prefix = f"{name}.{STATE_NAME}" if name else STATE_NAME
-        state, suffix = _active_state(state)
-        if state is not None:
-            yield from state.named_parameters(prefix=prefix + suffix)
-
-
-def _active_state(state: nn.Module) -> tuple[AttnScaleState | None, str]:
-    """The `AttnScaleState` the attention function reads through ``state``, and its name below ``hfa``."""
-    if isinstance(state, AttnScaleState):
-        return state, ""
-    # PEFT's ModulesToSaveWrapper: the active adapter's copy unless adapters are disabled.
-    copies = getattr(state, "modules_to_save", None)
-    adapters = getattr(state, "active_adapters", None) or []
-    if copies is not None and not getattr(state, "disable_adapters", False):
-        for adapter in adapters:
-            if adapter in copies:
-                return copies[adapter], f".modules_to_save.{adapter}"
-    original = getattr(state, "original_module", None)
-    return (original, ".original_module") if isinstance(original, AttnScaleState) else (None, "")
+        inner = next(n for n, m in child.named_modules() if m is state)
+        yield from state.named_parameters(prefix=f"{prefix}.{inner}" if inner else prefix)
 
 
 def attention_projections(model: nn.Module) -> list[str]:
@@ -100,11 +86,10 @@ def attention_projections(model: nn.Module) -> list[str]:
     ``attention.self`` + ``attention.output.dense``). Names keep the block's own name as a prefix
     (``self_attn.q_proj``, ``attention.self.query``) so that no other ``dense`` or ``query`` layer matches.
     """
-    base = _base_model(model)
-    family = family_for(base.config.model_type)
+    base = unwrap(model)
     names = {id(m): n for n, m in base.named_modules()}
     targets: set[str] = set()
-    for module in attention_modules(base, family):
+    for module in attention_modules(base):
         name = names[id(module)]
         parent_name = name.rpartition(".")[0]
         parent = base.get_submodule(parent_name)
@@ -134,7 +119,7 @@ def lora_config(model: nn.Module, *, train_patch: bool = True, **lora_kwargs: An
     Example:
         >>> peft_model = peft.get_peft_model(model, hfa.lora_config(model, r=8, lora_alpha=16))
     """
-    base = _base_model(model)
+    base = unwrap(model)
     patch_config = get_config(base)
     kwargs = dict(lora_kwargs)
     kwargs.setdefault("target_modules", attention_projections(base))
@@ -158,7 +143,7 @@ def _task_type(model: nn.Module) -> str | None:
 @functools.cache
 def _lora_config_class() -> type:
     """`AttnScaleLoraConfig`, built on first use so that peft is only imported when needed."""
-    from peft import LoraConfig
+    from peft import LoraConfig  # optional dependency (hf_attnscale[peft]): imported on use
 
     class AttnScaleLoraConfig(LoraConfig):
         """A ``LoraConfig`` that remembers the attention patch and saves it as ``attn_scale.json``.
@@ -230,7 +215,7 @@ def load_adapter(
     Plain ``PeftModel.from_pretrained`` loads the same files but cannot check the patch: call
     ``hfa.patch(model, config=hfa.adapter_patch_config(path))`` on the base model first.
     """
-    from peft import LoraConfig, PeftConfig, PeftModel
+    from peft import LoraConfig, PeftConfig, PeftModel  # optional dependency, imported on use
 
     try:
         saved = adapter_patch_config(path)

@@ -6,7 +6,7 @@ launcher imports it before handing over to lm-eval's own CLI::
     hf-attnscale lm-eval --model hf-attnscale \\
         --model_args pretrained=PATH,scale=logn,train_length=4096,window=1020,sink_tokens=4 \\
         --tasks hfa_stdlib_heldout --include_path eval_configs --device cuda
-    python -m hf_attnscale.lm_eval ...   # the same
+    python -m hf_attnscale.integrations.lm_eval_harness ...   # the same
 
 Importing this module needs lm-eval (``pip install hf_attnscale[eval]``); ``import hf_attnscale`` does not.
 """
@@ -17,18 +17,23 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import datasets
 import torch
 from lm_eval.api.instance import Instance
 from lm_eval.api.registry import MODEL_REGISTRY, register_model
 from lm_eval.models.huggingface import HFLM
 from tqdm.auto import tqdm
+from transformers import AutoTokenizer
 
-from .cache import SinkCache
-from .config import AttnScaleConfig, read_saved_config
-from .evaluate import resolve_model_path
-from .patching import get_config, patch
-from .perplexity import perplexity
-from .streaming import check_streaming_model
+from hf_attnscale.core.config import AttnScaleConfig, read_saved_config
+from hf_attnscale.core.patching import patch
+from hf_attnscale.core.state import get_config
+from hf_attnscale.evaluation.corpus import builtin_documents
+from hf_attnscale.evaluation.models import default_model_path, resolve_model_path
+from hf_attnscale.evaluation.perplexity import perplexity
+from hf_attnscale.streaming.cache import SinkCache, cache_settings
+from hf_attnscale.streaming.pos_shift import check_streaming_model
+from hf_attnscale.validation import check_int
 
 MODEL_TYPE = "hf-attnscale"
 
@@ -71,15 +76,9 @@ class HFAttnScaleLM(HFLM):
         config = AttnScaleConfig.from_options(
             scale=scale, train_length=train_length, clamp=clamp, zero_kv=zero_kv, sink_logit=sink_logit
         )
-        if window is None and sink_tokens is not None:
-            raise ValueError(f"sink_tokens={sink_tokens} needs window=W (the streaming cache's window).")
-        self.sink_tokens = (4 if sink_tokens is None else sink_tokens) if window is not None else None
-        self.window = window
-        if window is not None:
-            SinkCache(self.sink_tokens, window)
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}.")
-        self.chunk_size = chunk_size
+        settings = cache_settings(sink_tokens, window)
+        self.sink_tokens, self.window = settings if settings is not None else (None, None)
+        self.chunk_size = check_int("chunk_size", chunk_size, 1)
         if isinstance(pretrained, str):
             pretrained = resolve_model_path(pretrained)
 
@@ -147,17 +146,10 @@ def builtin_dataset(
         first_tokens: cut each document to the text of its first ``first_tokens`` tokens.
         **_runtime_metadata: lm-eval passes its model_args and metadata here too; they are ignored.
     """
-    import datasets
-
-    from .corpus import builtin_documents
-    from .default_model import default_model_path
-
     documents = builtin_documents(split)
     texts = [doc.text for doc in documents]
     names = [doc.name for doc in documents]
     if min_tokens or first_tokens:
-        from transformers import AutoTokenizer
-
         tokenizer = AutoTokenizer.from_pretrained(default_model_path())
         encoded = tokenizer(texts, return_offsets_mapping=True, verbose=False)
         kept = [
@@ -177,7 +169,7 @@ def register() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run lm-eval's own CLI with ``argv`` (default: ``sys.argv[1:]``) after registering ``hf-attnscale``."""
-    from lm_eval.__main__ import cli_evaluate
+    from lm_eval.__main__ import cli_evaluate  # lm-eval's whole CLI: imported only when it runs
 
     register()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -192,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
     # Under `python -m` this file runs as __main__; registering the real module's class (not this copy's)
     # keeps one HFAttnScaleLM, whatever imports hf_attnscale.lm_eval later.
-    from hf_attnscale.lm_eval import main as _main
+    from hf_attnscale.integrations.lm_eval_harness import main as _main
 
     sys.exit(_main())
 else:

@@ -1,0 +1,1 @@
+"""The patch itself: options, scale laws, the attention function, model discovery, patching and loading."""

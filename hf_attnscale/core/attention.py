@@ -1,0 +1,174 @@
+"""One patched attention call: count the visible keys, scale the query, add the exit, run the backend.
+
+The steps, for each call that reaches a module carrying a patch state (`hf_attnscale.core.state`):
+
+1. count the keys n each query row sees, from the mask the backend receives, or from the shapes when the
+   backend runs without one (sdpa's ``is_causal``);
+2. multiply the query by the scale law of n (`hf_attnscale.core.laws`), on top of the model's own scaling;
+3. add the exit (zero_kv / sink logit): natively where the backend has sinks (flash, flex), fused where the
+   kernel returns its log-sum-exp (`hf_attnscale.core.kernels`), else as an explicit zero key;
+4. run the inner backend.
+
+How calls get here (names, registration) is `hf_attnscale.core.dispatch`; this module is only the maths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .kernels import fused_sink_attention_cpu
+from .laws import query_multiplier
+from .state import AttnScaleState
+
+AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def scaled_attention(
+    state: AttnScaleState,
+    inner: str,
+    fn: AttentionFn,
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Apply the patch around one call of the inner backend ``fn``. Shapes: q ``(B,H,Tq,D)``, k/v ``(B,Hkv,Tk,D)``."""
+    config = state.config
+    if state.query_hook is not None:
+        query = state.query_hook(query)
+    is_causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    if config.scale != "none":
+        n = visible_key_counts(
+            query.shape[2],
+            key.shape[2],
+            attention_mask,
+            causal=causal,
+            sliding_window=kwargs.get("sliding_window"),
+            bottom_right=inner.startswith("flash"),
+            device=query.device,
+        )
+        query = query * query_multiplier(config, n, state.ssmax).unsqueeze(-1).to(query.dtype)
+    sink = state.sink_logits(query.device) if config.has_exit else None
+    if state.probe is not None:
+        state.probe(module, query, key, attention_mask, causal=causal, sink=sink, inner=inner, **kwargs)
+    if sink is None:
+        return fn(module, query, key, value, attention_mask, **kwargs)
+    if inner.startswith("flash") or inner == "flex_attention":
+        # These backends implement learnable sinks natively (gpt-oss's `s_aux`).
+        return fn(module, query, key, value, attention_mask, s_aux=sink, **kwargs)
+    dropout = kwargs.get("dropout", 0.0)
+    if inner == "sdpa" and query.device.type == "cpu" and dropout == 0.0 and key.shape[-1] == value.shape[-1]:
+        out = fused_sink_attention_cpu(query, key, value, attention_mask, sink, causal, kwargs.get("scaling"))
+        return out.transpose(1, 2).contiguous(), None
+    return _extra_key_attention(fn, module, query, key, value, attention_mask, sink, causal, **kwargs)
+
+
+def visible_key_counts(
+    q_len: int,
+    k_len: int,
+    mask: torch.Tensor | None,
+    *,
+    causal: bool,
+    sliding_window: int | None = None,
+    bottom_right: bool = False,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Number of keys each query row sees, float32 ``(B or 1, 1 or H, Tq)``.
+
+    ``mask`` is the one the backend receives: None, a 2D padding mask ``(B, Tk)`` (flash), a 4D bool/float
+    mask, or a flex BlockMask. Without a 4D mask, causality and ``sliding_window`` follow the backends' own
+    conventions: sdpa and eager align a causal prefill top-left, flash aligns bottom-right (queries are the
+    last ``Tq`` keys).
+    """
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        mask = _dense_block_mask(mask, q_len, k_len)
+    if mask is not None and mask.dim() == 4:
+        return _as_bool(mask).sum(-1, dtype=torch.float32)
+    lo, hi = _visible_range(q_len, k_len, mask, causal, sliding_window, bottom_right, device)
+    if mask is None:
+        return (hi - lo).float().view(1, 1, q_len)
+    # 2D padding mask: count the valid keys inside each query's [lo, hi) with a prefix sum.
+    prefix = torch.nn.functional.pad(mask.to(torch.int32).cumsum(-1), (1, 0))  # (B, Tk + 1)
+    return (prefix[:, hi] - prefix[:, lo]).float().unsqueeze(1)
+
+
+def visible_keys(
+    q_len: int,
+    k_len: int,
+    mask: torch.Tensor | None,
+    *,
+    causal: bool,
+    sliding_window: int | None = None,
+    bottom_right: bool = False,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Which keys each query row sees, bool ``(B or 1, 1 or H, Tq, Tk)``: `visible_key_counts` before the sum."""
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        mask = _dense_block_mask(mask, q_len, k_len)
+    if mask is not None and mask.dim() == 4:
+        return _as_bool(mask)[..., :k_len]
+    lo, hi = _visible_range(q_len, k_len, mask, causal, sliding_window, bottom_right, device)
+    keys = torch.arange(k_len, device=lo.device)
+    visible = ((keys >= lo[:, None]) & (keys < hi[:, None])).view(1, 1, q_len, k_len)
+    return visible if mask is None else visible & mask.bool()[:, None, None, :]
+
+
+def _as_bool(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+
+
+def _visible_range(q_len, k_len, mask, causal, sliding_window, bottom_right, device):
+    """``[lo, hi)``: the key positions each query may see, before padding ``(Tq,)`` each."""
+    device = mask.device if mask is not None else device
+    q_pos = torch.arange(q_len, device=device)
+    if causal and (bottom_right or q_len == 1 or mask is not None):
+        q_pos = q_pos + (k_len - q_len)  # queries are the last q_len keys
+    if causal:
+        hi = (q_pos + 1).clamp_max(k_len)
+        lo = (hi - sliding_window).clamp_min(0) if sliding_window else torch.zeros_like(hi)
+    else:
+        hi = (q_pos + sliding_window).clamp_max(k_len) if sliding_window else torch.full_like(q_pos, k_len)
+        lo = (q_pos - sliding_window + 1).clamp_min(0) if sliding_window else torch.zeros_like(q_pos)
+    return lo, hi
+
+
+def _dense_block_mask(block_mask, q_len: int, k_len: int) -> torch.Tensor:
+    # Only flex models need it, and importing flex_attention costs ~0.3 s: imported on first use.
+    from torch.nn.attention.flex_attention import create_mask
+
+    batch = block_mask.kv_num_blocks.shape[0]
+    return create_mask(block_mask.mask_mod, batch, 1, q_len, k_len, device=block_mask.kv_num_blocks.device)
+
+
+def _extra_key_attention(fn, module, query, key, value, mask, sink, causal, **kwargs):
+    """Exit as an explicit extra key: a zero key/value first, whose logit comes from a mask column.
+
+    Exact for any backend that takes an additive 4D mask (eager, sdpa). The mask is materialised.
+    """
+    batch, num_heads, q_len, _ = query.shape
+    k_len = key.shape[2]
+    dtype = query.dtype
+    key = torch.cat([key.new_zeros(batch, key.shape[1], 1, key.shape[3]), key], dim=2)
+    value = torch.cat([value.new_zeros(batch, value.shape[1], 1, value.shape[3]), value], dim=2)
+    neg = torch.finfo(dtype).min
+    if mask is None:
+        body = torch.zeros(1, 1, q_len, k_len, dtype=dtype, device=query.device)
+        if causal and q_len > 1:
+            body.masked_fill_(torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).triu(1), neg)
+    elif mask.dtype == torch.bool:
+        body = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, neg)
+    else:
+        body = mask[..., :k_len].to(dtype)
+    # One shared column when every head has the same constant exit logit; learnable sinks need their own.
+    uniform = not sink.requires_grad and bool((sink == sink[0]).all())
+    heads = 1 if uniform else num_heads
+    body = body.expand(body.shape[0], heads, q_len, k_len)
+    column = sink.to(dtype).view(1, -1, 1, 1)[:, :heads].expand(body.shape[0], heads, q_len, 1)
+    out, weights = fn(module, query, key, value, torch.cat([column, body], dim=-1), **kwargs)
+    return out, (weights[..., 1:] if weights is not None else None)

@@ -1,0 +1,119 @@
+"""How a patched module's attention calls reach `scaled_attention`, through transformers' AttentionInterface.
+
+transformers v5 attention modules call ``ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+eager_attention_forward)``. A patched module reads its config through a `PatchedConfigView`: the model's
+own config in every respect, except that ``_attn_implementation`` names ``hfa_<backend>``, a wrapper registered
+once per process around the backend the model is set to *now*. So:
+
+* the model itself (mask creation, ``output_attentions`` checks, ``set_attn_implementation``) still sees its
+  real backend, and switching backends switches the wrapped one: the patch follows;
+* only modules given the view (and an `AttnScaleState`) are affected: other models are untouched.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+from .attention import AttentionFn, scaled_attention
+from .state import state_of
+
+PREFIX = "hfa_"
+SUPPORTED_BACKENDS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+EAGER_SUFFIX = "eager_attention_forward"
+
+
+def backend_name(inner: str) -> str:
+    """The registered name of the wrapper around backend ``inner``."""
+    return PREFIX + inner
+
+
+def check_backend(inner: str | None) -> str:
+    """``inner`` (None counts as eager) if hf_attnscale supports it; else ValueError naming the valid ones."""
+    inner = inner or "eager"
+    if inner not in SUPPORTED_BACKENDS:
+        raise ValueError(
+            f"Attention backend {inner!r} is not supported by hf_attnscale; supported: "
+            f"{', '.join(SUPPORTED_BACKENDS)}. Switch with model.set_attn_implementation('sdpa')."
+        )
+    return inner
+
+
+def register_backend(inner: str) -> str:
+    """Register the wrapper around ``inner`` (once per process) and return its name."""
+    name = backend_name(check_backend(inner))
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(name, _make_wrapper(inner))
+    return name
+
+
+class PatchedConfigView:
+    """A patched attention module's ``config``: the model's config, with the hfa wrapper as its backend.
+
+    Reads and writes go to the model's config object (so ``set_attn_implementation`` and later config changes
+    are seen at once); only ``_attn_implementation`` differs: ``hfa_<the model's current backend>``.
+    """
+
+    def __init__(self, config: Any) -> None:
+        object.__setattr__(self, "model_config", config)
+
+    @property
+    def _attn_implementation(self) -> str:
+        return register_backend(self.model_config._attn_implementation)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "model_config":  # not set yet: being unpickled
+            raise AttributeError(name)
+        return getattr(self.model_config, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.model_config, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        delattr(self.model_config, name)
+
+    def __reduce__(self):
+        return (PatchedConfigView, (self.model_config,))
+
+    def __repr__(self) -> str:
+        return (
+            f"PatchedConfigView({self.model_config._attn_implementation!r} -> {self._attn_implementation!r})"
+        )
+
+
+def routed_config(config: Any) -> PatchedConfigView:
+    """The view a patched module reads instead of ``config`` (a view is re-based on the model's config)."""
+    return PatchedConfigView(config.model_config if isinstance(config, PatchedConfigView) else config)
+
+
+_EAGER: dict[type, AttentionFn] = {}
+
+
+def eager_function(module: nn.Module) -> AttentionFn:
+    """The eager attention function of ``module``'s own modeling file: the default its forward passes."""
+    cls = type(module)
+    if cls not in _EAGER:
+        names = getattr(getattr(cls.forward, "__code__", None), "co_names", ())
+        wanted = [n for n in names if n.endswith(EAGER_SUFFIX)] or [EAGER_SUFFIX]
+        namespace = vars(sys.modules[cls.__module__])
+        found = next((namespace[n] for n in wanted if n in namespace), None)
+        if found is None:
+            raise ValueError(f"{cls.__name__} has no eager attention function ({EAGER_SUFFIX}) to wrap.")
+        _EAGER[cls] = found
+    return _EAGER[cls]
+
+
+def _make_wrapper(inner: str) -> AttentionFn:
+    def hfa_attention_forward(module, query, key, value, attention_mask, **kwargs):
+        fn = eager_function(module) if inner == "eager" else ALL_ATTENTION_FUNCTIONS[inner]
+        state = state_of(module)
+        if state is None:  # e.g. cross-attention modules of a patched model
+            return fn(module, query, key, value, attention_mask, **kwargs)
+        out, weights = scaled_attention(state, inner, fn, module, query, key, value, attention_mask, **kwargs)
+        return (out if state.output_hook is None else state.output_hook(out)), weights
+
+    hfa_attention_forward.__name__ = f"hfa_{inner}_attention_forward"
+    return hfa_attention_forward

@@ -1,0 +1,71 @@
+"""`from_pretrained`: load a saved model together with its patch, learned values included."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import nn
+
+from .checkpoint import safetensors_files
+from .config import read_saved_config
+from .patching import apply
+from .state import STATE_NAME
+
+REPORT_MARK = "LOAD REPORT"
+HUB_OPTIONS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
+
+
+class _HoldLoadReport(logging.Filter):
+    """Holds back transformers' weight-loading report, to be re-emitted unless it only lists patch keys."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if REPORT_MARK in record.getMessage():
+            self.held.append(record)
+            return False
+        return True
+
+
+def from_pretrained(
+    model_class: Any, pretrained_model_name_or_path: str, *args: Any, **kwargs: Any
+) -> nn.Module:
+    """``model_class.from_pretrained(...)``, then the hf_attnscale patch saved with the model, learned values included.
+
+    Works wherever transformers can load the model (a local directory, a Hub id, the Hugging Face cache
+    offline), because the learned sink / SSMax values are read from the same weight files. A model saved
+    unpatched is returned unpatched. transformers would list the patch's weights as UNEXPECTED keys; here they
+    are expected, so its load report is shown only when it says something else.
+
+    Example:
+        >>> model = hfa.from_pretrained(AutoModelForCausalLM, "path/to/saved", dtype=torch.bfloat16)
+    """
+    logger = logging.getLogger("transformers.modeling_utils")
+    hold = _HoldLoadReport()
+    logger.addFilter(hold)
+    try:
+        model, info = model_class.from_pretrained(
+            pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs
+        )
+    except BaseException:
+        logger.removeFilter(hold)
+        for record in hold.held:
+            logger.handle(record)
+        raise
+    logger.removeFilter(hold)
+    patch_keys = {k for k in info["unexpected_keys"] if f".{STATE_NAME}." in f".{k}"}
+    saved = read_saved_config(model.config)
+    only_patch_keys = not (
+        info["unexpected_keys"] - patch_keys or info["missing_keys"] or info["mismatched_keys"]
+    )
+    if not (saved is not None and only_patch_keys):
+        for record in hold.held:
+            logger.handle(record)
+    if saved is None:
+        return model
+    hub = {k: kwargs[k] for k in HUB_OPTIONS if k in kwargs}
+    apply(model, None, checkpoint=safetensors_files(pretrained_model_name_or_path, **hub))
+    return model

@@ -1,0 +1,288 @@
+"""`patch` / `unpatch`: apply a config to one model instance, atomically and reversibly.
+
+Patching a model, in named steps: resolve the config (the options, or the one saved in the model's config),
+find the attention modules (`hf_attnscale.core.families`), build their states, fill in learned values saved
+with the model, then install everything or nothing. What is installed on each attention module:
+
+* a child module ``hfa`` (`AttnScaleState`): options and learnable parameters;
+* ``module.config``: a `PatchedConfigView`, which routes its attention calls to the hfa wrapper;
+* for RoPE decoders, a forward that lets a `SinkCache` run the attention step (`hf_attnscale.core.routing`);
+  for families that bypass the AttentionInterface (RoFormer), their replacement forward.
+
+The model's config records the patch under ``attn_scale``, so ``save_pretrained`` persists it; a task model
+first gets a private copy of its config, so that models built from one config object keep separate records.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from .checkpoint import CheckpointNotFound, read_tensors, safetensors_files
+from .config import CONFIG_KEY, AttnScaleConfig, ScaleName, SinkLogit, read_saved_config
+from .dispatch import PatchedConfigView, check_backend, routed_config
+from .families import Rule, attention_modules, query_heads, rule_for, takes_position_embeddings
+from .models import unwrap
+from .routing import cache_routed_forward
+from .state import STATE_NAME, AttnScaleState, get_config, patched_modules, state_of
+
+M = TypeVar("M", bound=nn.Module)
+ROTARY_ATTR = "_hfa_rotary"
+"""Where a patched RoPE attention module keeps ``(the model's rotary embedding, its layer type)``: in its
+``__dict__``, not as a submodule, so the state dict is unchanged and ``deepcopy`` / ``.to()`` follow the model."""
+
+
+def patch(
+    model: M,
+    scale: ScaleName | None = None,
+    train_length: int | None = None,
+    clamp: bool | None = None,
+    zero_kv: bool | None = None,
+    sink_logit: SinkLogit = None,
+    *,
+    config: AttnScaleConfig | None = None,
+) -> M:
+    """Change the attention of ``model`` (this instance only) and return it.
+
+    With no options, applies the patch saved in ``model.config`` (after ``from_pretrained``), learned sink /
+    SSMax values included, read from the checkpoint the model was loaded from (see `hfa.from_pretrained`,
+    which also works when that folder has moved); with none saved, installs the identity patch (what
+    `SinkCache` streaming needs). Patching with the patch already in force changes nothing; another patch
+    replaces it (it never stacks). The model is never left half-patched: on any error it stays as it was.
+    Any wrapper is accepted (PEFT, DataParallel / DDP, torch.compile), and so is an inner model
+    (``model.model``): the patch belongs to the attention modules, whichever object is passed.
+
+    Example:
+        >>> hfa.patch(model, scale="logn", train_length=4096, zero_kv=True)
+    """
+    requested = AttnScaleConfig.from_options(
+        scale=scale, train_length=train_length, clamp=clamp, zero_kv=zero_kv, sink_logit=sink_logit
+    )
+    if config is not None and requested is not None:
+        raise ValueError(
+            "Pass either config= or the individual options (scale, train_length, ...), not both."
+        )
+    if config is not None and not isinstance(config, AttnScaleConfig):
+        raise ValueError(f"config must be an hfa.AttnScaleConfig, got {type(config).__name__}.")
+    apply(unwrap(model), requested or config)
+    return model
+
+
+def apply(root: nn.Module, requested: AttnScaleConfig | None, checkpoint: list[Path] | None = None) -> None:
+    """Patch ``root`` with ``requested``, or with its saved patch when None (see `patch`).
+
+    ``checkpoint``: the weight files the saved patch's learned values are read from (default: those of
+    ``root.config._name_or_path``).
+    """
+    saved = read_saved_config(root.config)
+    target = requested or saved or AttnScaleConfig()
+    if get_config(root) == target and all(state_of(m) is not None for m in attention_modules(root)):
+        return  # already in force: keep the live (possibly trained) parameters
+    plan = _plan(root, target)
+    if target == saved and plan.has_parameters:
+        _fill_learned(root, plan, checkpoint, required=requested is None)
+    _install(root, plan)
+
+
+@dataclass
+class _Plan:
+    """What `_install` puts on each attention module."""
+
+    config: AttnScaleConfig
+    rule: Rule
+    modules: list[nn.Module]
+    states: list[AttnScaleState]
+    rotary: list[tuple[nn.Module, str | None] | None] = field(default_factory=list)
+
+    @property
+    def has_parameters(self) -> bool:
+        return any(True for state in self.states for _ in state.parameters())
+
+
+def _plan(root: nn.Module, config: AttnScaleConfig) -> _Plan:
+    """Validate ``config`` for ``root`` and build fresh states; touches nothing on the model."""
+    modules = attention_modules(root)
+    rule = rule_for(root)
+    held = [m._modules.get(STATE_NAME) for m in modules]
+    if any(state is not None and not isinstance(state, AttnScaleState) for state in held):
+        # PEFT's modules_to_save wraps the state; a new state would be neither trained nor saved with it.
+        raise ValueError(
+            "This model's patch state is held by PEFT (modules_to_save=['hfa']); patching it again would "
+            "detach the parameters PEFT trains and saves. Patch the base model before get_peft_model, or "
+            "load the adapter onto a freshly patched base with hfa.load_adapter."
+        )
+    missing = [
+        type(m).__name__ for m in modules if getattr(m, "config", None) is None and rule.forward is None
+    ]
+    if missing:
+        raise ValueError(f"Attention modules {sorted(set(missing))} have no config to route their calls by.")
+    if config.has_exit and rule.no_exit:
+        raise ValueError(f"zero_kv / sink_logit: {rule.no_exit}. Use the scale options alone.")
+    inner = check_backend(root.config._attn_implementation)
+    device = next(root.parameters()).device
+    if inner == "flex_attention" and config.has_exit and device.type == "cpu":
+        raise ValueError(
+            "zero_kv / sink_logit under flex_attention need a GPU (transformers runs flex sinks via its CUDA "
+            "logsumexp); on CPU load the model with attn_implementation='sdpa' or 'eager'."
+        )
+    states = [_new_state(config, query_heads(m, root.config), m) for m in modules]
+    rotary = [_rotary_for(root, m) if takes_position_embeddings(m) else None for m in modules]
+    return _Plan(config, rule, modules, states, rotary)
+
+
+def _new_state(config: AttnScaleConfig, num_heads: int, module: nn.Module) -> AttnScaleState:
+    """A state whose parameters live on the module's device and dtype (float32 for half-precision models)."""
+    state = AttnScaleState(config, num_heads)
+    ref = next(module.parameters(), None)
+    if ref is not None:
+        state.to(device=ref.device, dtype=ref.dtype if ref.dtype == torch.float64 else torch.float32)
+    return state
+
+
+def _rotary_for(root: nn.Module, module: nn.Module) -> tuple[nn.Module, str | None] | None:
+    """The model's rotary embedding that feeds ``module``, and the layer type it takes (Gemma-3), if any."""
+    rotaries = [m for m in root.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    if len(rotaries) != 1:
+        return None  # none, or several to choose between: streaming then says it cannot run
+    rotary = rotaries[0]
+    layer_types = getattr(getattr(module, "config", None), "layer_types", None)
+    takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
+    layer_type = layer_types[module.layer_idx] if takes_type and layer_types else None
+    return rotary, layer_type
+
+
+def _fill_learned(root: nn.Module, plan: _Plan, checkpoint: list[Path] | None, required: bool) -> None:
+    """Copy the saved patch's learned values into the new states; raise if they are required but missing."""
+    names = {id(m): n for n, m in root.named_modules()}
+    wanted = {
+        f"{names[id(m)]}.{STATE_NAME}.{p}" if names[id(m)] else f"{STATE_NAME}.{p}": (state, p)
+        for m, state in zip(plan.modules, plan.states)
+        for p, _ in state.named_parameters()
+    }
+    try:
+        files = checkpoint if checkpoint is not None else safetensors_files(root.config._name_or_path or "")
+    except CheckpointNotFound as err:
+        if not required:
+            return  # the options were given explicitly: a fresh patch is what was asked for
+        raise ValueError(
+            f"This model's config records an hf_attnscale patch with learned parameters "
+            f"({plan.config}), but they cannot be loaded: {err}. Load the model with "
+            "hfa.from_pretrained(ModelClass, path), which reads them with the weights; or, to start from "
+            "freshly initialised values, pass the options explicitly: hfa.patch(model, config=...)."
+        ) from None
+    learned = read_tensors(files, wanted)
+    absent = sorted(k for k in wanted if k not in learned)
+    if absent and required:
+        raise ValueError(
+            f"This model's config records an hf_attnscale patch with learned parameters ({plan.config}), but the "
+            f"checkpoint lacks {len(absent)} of them (e.g. {absent[0]!r}); it was not saved from the patched model."
+        )
+    with torch.no_grad():
+        for key, tensor in learned.items():
+            if key in wanted:
+                state, name = wanted[key]
+                getattr(state, name).copy_(tensor)
+
+
+def _install(root: nn.Module, plan: _Plan) -> None:
+    """Put the planned states, config views and forwards on the modules: all of them, or none."""
+    snapshot = _snapshot(root, plan.modules)
+    try:
+        record = _record_config(root)
+        setattr(record, CONFIG_KEY, plan.config.to_dict())
+        for module, state, rotary in zip(plan.modules, plan.states, plan.rotary):
+            module._modules[STATE_NAME] = state
+            if plan.rule.forward is not None:
+                module.forward = types.MethodType(plan.rule.forward, module)
+                continue
+            module.config = routed_config(module.config)
+            if takes_position_embeddings(module):
+                module.forward = types.MethodType(cache_routed_forward, module)
+                module.__dict__[ROTARY_ATTR] = rotary
+    except BaseException:
+        _restore(root, snapshot)
+        raise
+
+
+def _record_config(root: nn.Module) -> Any:
+    """The config object the patch is recorded in: ``root``'s own, made private first for a task model.
+
+    A task model (``...ForCausalLM``) gets a private copy, so that models sharing one config object keep
+    separate records. A base model (``model.model``) is recorded in place, so that the task model around it,
+    which shares its config, saves the patch too.
+    """
+    shared = root.config
+    is_task_model = getattr(root, "base_model", root) is not root
+    already_private = getattr(shared, CONFIG_KEY, None) is not None and get_config(root) is not None
+    if not is_task_model or already_private:
+        return shared
+    memo: dict[int, Any] = {}
+    private = copy.deepcopy(shared, memo)
+    for module in root.modules():
+        held = module.__dict__.get("config")
+        if isinstance(held, PatchedConfigView):
+            held = held.model_config
+            if id(held) in memo:
+                object.__setattr__(module.config, "model_config", memo[id(held)])
+        elif held is not None and id(held) in memo:
+            module.config = memo[id(held)]
+    return private
+
+
+def _snapshot(root: nn.Module, modules: list[nn.Module]) -> dict[str, Any]:
+    configs = {id(m): m.__dict__.get("config") for m in root.modules() if "config" in m.__dict__}
+    return {
+        "record": (root.config, copy.deepcopy(getattr(root.config, CONFIG_KEY, None))),
+        "configs": configs,
+        "modules": [
+            (m, m._modules.get(STATE_NAME), m.__dict__.get("forward"), m.__dict__.get(ROTARY_ATTR, False))
+            for m in modules
+        ],
+    }
+
+
+def _restore(root: nn.Module, snapshot: dict[str, Any]) -> None:
+    for module in root.modules():
+        if id(module) in snapshot["configs"]:
+            module.__dict__["config"] = snapshot["configs"][id(module)]
+    config, record = snapshot["record"]
+    if record is None:
+        config.__dict__.pop(CONFIG_KEY, None)
+    else:
+        setattr(config, CONFIG_KEY, record)
+    for module, state, forward, rotary in snapshot["modules"]:
+        _put(module._modules, STATE_NAME, state)
+        _put(module.__dict__, "forward", forward)
+        _put(module.__dict__, ROTARY_ATTR, rotary if rotary is not False else None)
+
+
+def _put(mapping: dict, key: str, value: Any) -> None:
+    if value is None:
+        mapping.pop(key, None)
+    else:
+        mapping[key] = value
+
+
+def unpatch(model: M) -> M:
+    """Restore the model's original attention exactly (bitwise-equal outputs) and return it."""
+    root = unwrap(model)
+    modules = [m for _, m in patched_modules(root)]
+    for module in modules:
+        if isinstance(module.__dict__.get("config"), PatchedConfigView):
+            module.config = module.config.model_config
+        for mapping, key in (
+            (module._modules, STATE_NAME),
+            (module.__dict__, "forward"),
+            (module.__dict__, ROTARY_ATTR),
+        ):
+            mapping.pop(key, None)
+    if modules:
+        root.config.__dict__.pop(CONFIG_KEY, None)
+    return model

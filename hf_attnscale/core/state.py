@@ -1,0 +1,99 @@
+"""The patch state each patched attention module carries, and the patch in force on a model.
+
+A module is patched when it has a child module named ``hfa`` (`AttnScaleState`): the attention function finds
+its options and learnable parameters there, and a module without one runs exactly as before. So "is this model
+patched, and how" is answered by its modules, never by a name in a shared config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from .config import AttnScaleConfig
+from .laws import ssmax_init
+from .models import unwrap
+
+STATE_NAME = "hfa"
+"""Name of the child module that holds a patched attention module's state (and learnable parameters)."""
+
+
+class AttnScaleState(nn.Module):
+    """Per-attention-module patch state: the config and the learnable sink / SSMax parameters.
+
+    Being a child module named ``hfa``, its parameters appear as ``...self_attn.hfa.sink`` and
+    ``...self_attn.hfa.ssmax`` in the state dict, so ``save_pretrained`` writes them, and PEFT can train them
+    via ``modules_to_save=["hfa"]``.
+
+    Attributes:
+        query_hook, output_hook: set for the duration of one call by a cache that runs the attention step
+            itself (`SinkCache`'s pos-shift): rotate the queries, and map the output ``(B, Tq, H, Dv)``.
+        probe: when set, called with what the backend is about to compute (see `hf_attnscale.diagnostics`).
+    """
+
+    def __init__(self, config: AttnScaleConfig, num_heads: int):
+        super().__init__()
+        self.config = config
+        self.num_heads = num_heads
+        self.sink = nn.Parameter(torch.zeros(num_heads)) if config.sink_logit == "learnable" else None
+        self.ssmax = (
+            nn.Parameter(torch.full((num_heads,), ssmax_init(config.train_length)))
+            if config.scale == "ssmax"
+            else None
+        )
+        self.query_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.output_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.probe: Callable[..., None] | None = None
+
+    def sink_logits(self, device: torch.device) -> torch.Tensor:
+        """The exit logit of each head, float32 ``(H,)``."""
+        if self.sink is not None:
+            return self.sink.float()
+        return torch.full((self.num_heads,), self.config.fixed_sink_logit, device=device)
+
+    def extra_repr(self) -> str:
+        return f"{self.config}"
+
+
+def active_state(child: nn.Module | None) -> AttnScaleState | None:
+    """The `AttnScaleState` the attention function reads through a module's ``hfa`` child.
+
+    That is the child itself, or, when PEFT trains it (``modules_to_save=["hfa"]``), the copy of the active
+    adapter (the original when adapters are disabled).
+    """
+    if child is None or isinstance(child, AttnScaleState):
+        return child
+    copies = getattr(child, "modules_to_save", None)
+    if copies is not None and not getattr(child, "disable_adapters", False):
+        for adapter in getattr(child, "active_adapters", None) or []:
+            if adapter in copies:
+                return copies[adapter]
+    original = getattr(child, "original_module", None)
+    return original if isinstance(original, AttnScaleState) else None
+
+
+def patched_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``(name, module)`` of every module of ``model`` (unwrapped) that carries a patch state, in order."""
+    for name, module in unwrap(model).named_modules():
+        if module._modules.get(STATE_NAME) is not None:
+            yield name, module
+
+
+def state_of(module: nn.Module) -> AttnScaleState | None:
+    """The state in force on one attention module, or None."""
+    return active_state(module._modules.get(STATE_NAME))
+
+
+def get_config(model: nn.Module) -> AttnScaleConfig | None:
+    """The `AttnScaleConfig` in force on ``model`` (or any wrapper of it, or any model inside it), or None.
+
+    Only a patch whose state is installed counts: a model built from a patched model's config, or loaded
+    without `hfa.patch`, reports None even though its config records a patch.
+    """
+    for _, module in patched_modules(model):
+        state = state_of(module)
+        if state is not None:
+            return state.config
+    return None

@@ -1,0 +1,151 @@
+"""The result of a length sweep: its rows, and the table, JSON and plot that present them."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from .variants import Variant
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    """Perplexity of one variant at one length (see the module docstring for the definition)."""
+
+    variant: str
+    length: int
+    ppl: float
+    nll: float
+    tokens: int
+    documents: int
+
+
+@dataclass
+class SweepResult:
+    """Rows of a sweep plus what produced them; `table`, `write_json` and `plot` present them."""
+
+    rows: list[SweepRow]
+    variants: list[Variant]
+    lengths: list[int]
+    documents: list[str]
+    train_length: int | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def ppl(self, variant: str, length: int) -> float:
+        """The perplexity of ``variant`` at ``length``."""
+        for row in self.rows:
+            if row.variant == variant and row.length == length:
+                return row.ppl
+        raise KeyError(f"No row for variant {variant!r} at length {length}.")
+
+    def _length_label(self, length: int) -> str:
+        if self.train_length:
+            return f"{length} ({length / self.train_length:g}x)"
+        return str(length)
+
+    def table(self) -> str:
+        """A Markdown table: one row per variant, one perplexity column per length, then tokens/s."""
+        header = ["variant", *(self._length_label(n) for n in self.lengths), "tok/s"]
+        lines = [
+            "| " + " | ".join(header) + " |",
+            "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|",
+        ]
+        for variant in self.variants:
+            tokens = sum(r.tokens for r in self.rows if r.variant == variant.name)
+            seconds = self.seconds.get(variant.name, 0.0)
+            speed = f"{tokens / seconds:,.0f}" if seconds > 0 else "-"
+            cells = [f"{self.ppl(variant.name, n):.2f}" for n in self.lengths]
+            lines.append("| " + " | ".join([variant.name, *cells, speed]) + " |")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "definition": "ppl at length L: documents of >= max(lengths) tokens, each cut to its first "
+            "max(lengths) tokens, split into non-overlapping L-token segments read from scratch; "
+            "exp(token-weighted mean NLL) over every predicted token",
+            "lengths": self.lengths,
+            "train_length": self.train_length,
+            "documents": self.documents,
+            "variants": [v.to_dict() for v in self.variants],
+            "rows": [vars(r) for r in self.rows],
+            "seconds": self.seconds,
+            **self.info,
+        }
+
+    def write_json(self, path: str | Path) -> Path:
+        """Write `to_dict` as JSON to ``path`` (parent directories are created)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    def plot(self, path: str | Path, title: str | None = None) -> Path:
+        """Write a PNG of perplexity against length: log-x, one line per variant, the trained length marked."""
+        # The object API with the Agg canvas draws off-screen without touching pyplot's global backend.
+        # matplotlib takes about a second to import and only plots need it.
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import FixedLocator, NullLocator
+
+        fig = Figure(figsize=(7.5, 4.8), dpi=120)
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        markers = "osD^vP*X"
+        for i, variant in enumerate(self.variants):
+            ys = [self.ppl(variant.name, n) for n in self.lengths]
+            ax.plot(
+                self.lengths,
+                ys,
+                marker=markers[i % len(markers)],
+                # Variants that coincide (all of them at 1x) would hide each other: later lines are drawn
+                # thinner with smaller markers, so the earlier ones still show around them.
+                markersize=max(4.0, 9.0 - 0.8 * i),
+                linewidth=max(1.2, 2.6 - 0.25 * i),
+                linestyle="--" if variant.streaming else "-",
+                label=variant.name,
+            )
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_locator(FixedLocator(self.lengths))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xticklabels([self._length_label(n).replace(" ", "\n") for n in self.lengths])
+        values = [r.ppl for r in self.rows if math.isfinite(r.ppl)]
+        if values and max(values) / min(values) > 4:  # an exploding baseline would flatten the others
+            ax.set_yscale("log")
+        if self.train_length:
+            ax.axvline(self.train_length, color="0.4", linestyle=":", linewidth=1.2)
+            ax.annotate(
+                "trained length",
+                (self.train_length, 1),
+                xycoords=("data", "axes fraction"),
+                xytext=(4, -4),
+                textcoords="offset points",
+                va="top",
+                fontsize=9,
+                color="0.3",
+            )
+        ax.set_xlabel("evaluation length L (tokens)")
+        ax.set_ylabel("perplexity (lower is better)")
+        ax.set_title(title or "Held-out perplexity against evaluation length")
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(frameon=False)
+        fig.tight_layout()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path)
+        return path
+
+
+def versions() -> dict[str, str]:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }

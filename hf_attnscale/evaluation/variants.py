@@ -1,0 +1,68 @@
+"""`Variant`: one way of running a model in a length sweep (unpatched, patched, streamed)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from hf_attnscale.core.config import AttnScaleConfig
+from hf_attnscale.core.patching import patch, unpatch
+from hf_attnscale.streaming.cache import SinkCache, cache_settings
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of running a model in a sweep.
+
+    Attributes:
+        name: label in tables, JSON and plots.
+        patch: options for `hf_attnscale.patch` (``{}``: the identity patch), or None to run it unpatched.
+        sink_tokens: sink tokens of the streaming cache (0: window-only).
+        window: window of the streaming cache; None reads each segment densely.
+    """
+
+    name: str
+    patch: Mapping[str, Any] | None = None
+    sink_tokens: int = 0
+    window: int | None = None
+    config: AttnScaleConfig | None = field(init=False, repr=False, compare=False, default=None)
+    """The patch as an `AttnScaleConfig` (None: unpatched)."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("A variant needs a non-empty name.")
+        try:
+            settings = cache_settings(self.sink_tokens, self.window, default_sinks=0)
+        except ValueError as err:
+            raise ValueError(f"Variant {self.name!r}: {err}") from None
+        if settings is not None and self.patch is None:
+            # Streaming needs the patched attention forward; the identity patch changes nothing else.
+            object.__setattr__(self, "patch", {})
+        if self.patch is not None:
+            object.__setattr__(self, "config", AttnScaleConfig(**self.patch))
+
+    @property
+    def streaming(self) -> bool:
+        """Whether segments are streamed through a `SinkCache` instead of read densely."""
+        return self.window is not None
+
+    def apply(self, model: nn.Module) -> None:
+        """Put ``model`` in this variant's state (reconfiguring any earlier patch)."""
+        unpatch(model)
+        if self.config is not None:
+            patch(model, config=self.config)
+
+    def new_cache(self) -> SinkCache | None:
+        """A fresh cache for one segment, or None for dense reading."""
+        return SinkCache(self.sink_tokens, self.window) if self.streaming else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "patch": None if self.patch is None else dict(self.patch),
+            "sink_tokens": self.sink_tokens if self.streaming else None,
+            "window": self.window,
+        }

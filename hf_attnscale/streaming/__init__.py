@@ -1,0 +1,1 @@
+"""StreamingLLM: a KV cache of sink tokens plus a sliding window, with positions taken inside the cache."""

@@ -1,0 +1,404 @@
+"""`SinkCache`: StreamingLLM's attention sinks plus a sliding window, as a transformers Cache.
+
+Each query sees the first ``sink_tokens`` real tokens of its row and its own last ``window`` real tokens
+(itself included), at positions inside the cache (pos-shift), exactly as mit-han-lab/streaming-llm computes
+token by token. How calls are planned and keys stored: `hf_attnscale.streaming.plan`. How the attention step
+runs with identity RoPE so that the cache sees the keys before rotation: `hf_attnscale.streaming.pos_shift`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from hf_attnscale.core.patching import ROTARY_ATTR
+from hf_attnscale.core.state import AttnScaleState, state_of
+from hf_attnscale.validation import check_int
+
+from .plan import Bookkeeping, Mode, StepPlan, build_plan
+from .pos_shift import (
+    UNPATCHED_MESSAGE,
+    check_backend,
+    check_sliding_window,
+    layer_rotates,
+    new_token_validity,
+    no_rotation,
+)
+from .rope import RopeFn, RopeTable, rotate_keys, rotate_queries
+
+DEFAULT_SINK_TOKENS = 4
+"""StreamingLLM's number of attention sinks, the default wherever a sink count is taken."""
+PIECE_TOKENS = 1024
+"""Calls with more new tokens than this (long prompts) are processed in pieces inside each layer."""
+
+
+def cache_settings(
+    sink_tokens: int | None, window: int | None, default_sinks: int = DEFAULT_SINK_TOKENS
+) -> tuple[int, int] | None:
+    """``(sink_tokens, window)`` of a streaming cache from optional settings, or None for no streaming.
+
+    ``sink_tokens`` defaults to ``default_sinks`` when only a window is given, and needs a window.
+    """
+    if window is None:
+        if sink_tokens:
+            raise ValueError(
+                f"sink_tokens={sink_tokens} needs a window: pass window=W (the cache holds sink_tokens + W tokens)."
+            )
+        return None
+    sinks = default_sinks if sink_tokens is None else sink_tokens
+    return check_int("sink_tokens", sinks, 0), check_int("window", window, 1)
+
+
+class SinkCacheLayer(CacheLayerMixin):
+    """One layer of a `SinkCache`: keys, values and the sinks' un-rotated keys, at most ``S + W`` slots.
+
+    Slots ``0..S-1`` hold the sinks (rotated afresh for every call); the others hold window keys rotated at
+    their rank minus the row's base (see `hf_attnscale.streaming.plan`).
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, sink_tokens: int, window: int):
+        super().__init__()
+        self.sink_tokens = sink_tokens
+        self.window = window
+        self.books: Bookkeeping | None = None
+        self.sink_keys: torch.Tensor | None = None  # (B, Hkv, S, D), before RoPE
+        self._staged: tuple[StepPlan, RopeFn, RopeTable] | None = None
+
+    def stage(self, plan: StepPlan, rope: RopeFn, table: RopeTable) -> None:
+        """Set what the next `update` does: the call's plan, the family's rotation and the layer's RoPE table."""
+        self._staged = (plan, rope, table)
+
+    def unstage(self) -> None:
+        self._staged = None
+
+    @property
+    def staged(self) -> bool:
+        return self._staged is not None
+
+    @property
+    def rank(self) -> torch.Tensor | None:
+        """``(B, C)``: the stream rank of the token in each slot, -1 for a free slot (None before any token)."""
+        return None if self.books is None else self.books.rank
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, dim = key_states.shape
+        sinks = self.sink_tokens
+        self.keys = key_states.new_zeros(batch, heads, sinks, dim)
+        self.values = value_states.new_zeros(batch, value_states.shape[1], sinks, value_states.shape[-1])
+        self.sink_keys = key_states.new_zeros(batch, heads, sinks, dim)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new pre-RoPE keys/values, and return every key and value the new queries read."""
+        if self._staged is None:
+            raise ValueError(UNPATCHED_MESSAGE)
+        plan, rope, table = self._staged
+        self._staged = None
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        sinks = self.sink_tokens
+        turns = plan.rotations(table)
+        keys, values, sink_keys = self.keys, self.values, self.sink_keys
+        if plan.rebase is not None:  # the base moved: rotate the stored window keys back by the move
+            window = rotate_keys(rope, keys[:, :, sinks:], turns["rebase"])
+            keys = torch.cat([keys[:, :, :sinks], window], dim=2)
+        if plan.new_sink_rank is not None:
+            sink_keys, values = _store_sinks(plan.new_sink_rank, key_states, value_states, sink_keys, values)
+        new_keys = rotate_keys(rope, key_states, turns["new"])
+        if plan.write_slot is not None:  # decoding (no autograd): one token into a free slot, nothing copied
+            _write(keys, new_keys, plan.write_slot)
+            _write(values, value_states, plan.write_slot)
+        else:
+            keys, values = torch.cat([keys, new_keys], dim=2), torch.cat([values, value_states], dim=2)
+        rotated_sinks = rotate_keys(rope, sink_keys, turns["sinks"])
+        if plan.write_slot is not None:
+            keys[:, :, :sinks] = rotated_sinks
+        else:
+            keys = torch.cat([rotated_sinks, keys[:, :, sinks:]], dim=2)
+        out = _doubled(rope, keys, values, sink_keys, turns) if plan.mode is Mode.DOUBLED else (keys, values)
+        if plan.keep_index is not None:
+            keys, values = _gather_slots(keys, plan.keep_index), _gather_slots(values, plan.keep_index)
+        self.keys, self.values, self.sink_keys, self.books = keys, values, sink_keys, plan.after
+        return out
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # transformers then builds a mask over the new tokens only; the pos-shift step reads their padding
+        # from its diagonal and builds the real mask itself (the cache's slots are not a contiguous range).
+        return query_length, self.get_seq_length()
+
+    def get_seq_length(self) -> int:
+        return 0 if self.books is None else self.books.seen
+
+    def get_max_length(self) -> int:
+        return -1  # the stream is unbounded; the memory is not (see `SinkCache.capacity`)
+
+    def reset(self) -> None:
+        self.keys = self.values = self.sink_keys = self.books = None
+        self._staged = None
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError(
+            "SinkCache cannot be cropped: evicted tokens are gone, so it cannot roll back. Assisted or "
+            "speculative decoding needs a cache that can; use DynamicCache for it."
+        )
+
+    def _select_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for name in ("keys", "values", "sink_keys"):
+            tensor = getattr(self, name)
+            if tensor is not None:
+                setattr(self, name, fn(tensor))
+        if self.books is not None:
+            books = self.books
+            self.books = Bookkeeping(fn(books.rank), fn(books.seen_valid), fn(books.base), books.seen)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_rows(lambda t: t[indices])
+
+
+def _store_sinks(new_sink_rank, key_states, value_states, sink_keys, values):
+    """Keep the pre-RoPE keys and the values of new tokens that are sinks, in their reserved slots."""
+    batch, heads, _, dim = key_states.shape
+    sinks = sink_keys.shape[2]
+    # Scatter every new token; non-sinks go to a spare slot past the end, which is dropped.
+    index = new_sink_rank.masked_fill(new_sink_rank < 0, sinks)[:, None, :, None]
+    spare_keys = torch.cat([sink_keys, sink_keys[:, :, :1]], dim=2)
+    sink_keys = spare_keys.scatter(2, index.expand(batch, heads, -1, dim), key_states)[:, :, :sinks]
+    head_values = torch.cat([values[:, :, :sinks], values[:, :, :1]], dim=2)
+    vindex = index.expand(batch, values.shape[1], -1, values.shape[-1])
+    sink_values = head_values.scatter(2, vindex, value_states)[:, :, :sinks]
+    return sink_keys, torch.cat([sink_values, values[:, :, sinks:]], dim=2)
+
+
+def _write(buffer: torch.Tensor, new: torch.Tensor, slot: torch.Tensor) -> None:
+    """Write each row's one new token ``(B, H, 1, D)`` into its slot of ``buffer``, in place."""
+    index = slot.view(-1, 1, 1, 1).expand(-1, buffer.shape[1], 1, buffer.shape[3])
+    buffer.scatter_(2, index, new)
+
+
+def _doubled(rope: RopeFn, keys, values, sink_keys, turns):
+    """DOUBLED mode's keys ``[k, 0]`` then sinks ``[0, R(i) k]``; values zero-padded to the same width."""
+    batch, heads, slots, dim = keys.shape
+    if values.shape[-1] != dim:
+        raise ValueError("SinkCache's chunked path needs keys and values of the same head size.")
+    sinks = sink_keys.shape[2]
+    wide_keys = keys.new_zeros(batch, heads, slots + sinks, 2 * dim)
+    wide_keys[:, :, :slots, :dim] = keys
+    wide_keys[:, :, slots:, dim:] = rotate_keys(rope, sink_keys, turns["sink_slots"])
+    wide_values = values.new_zeros(batch, values.shape[1], slots + sinks, 2 * dim)
+    wide_values[:, :, :slots, :dim] = values
+    wide_values[:, :, slots:, :dim] = values[:, :, :sinks]
+    return wide_keys, wide_values
+
+
+def _gather_slots(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    if index.dim() == 1:
+        return x.index_select(2, index)
+    batch, heads, _, dim = x.shape
+    return x.gather(2, index.view(batch, 1, -1, 1).expand(batch, heads, index.shape[1], dim))
+
+
+class SinkCache(Cache):
+    """StreamingLLM cache: ``sink_tokens`` first tokens plus a ``window`` of recent ones.
+
+    Each query sees the first ``sink_tokens`` real tokens of its row and its own last ``window`` real tokens,
+    **itself included**, at positions ``0..n-1``; at most ``sink_tokens + window`` tokens are held per layer,
+    however long the stream. In the terms of mit-han-lab/streaming-llm and attention_sinks (``start_size``,
+    ``recent_size``, where the query comes on top of the recent tokens): ``SinkCache(S, W)`` equals
+    ``start_size=S, recent_size=W-1``; build the paper's "4+1020" with
+    ``SinkCache.from_start_recent(4, 1020)``. Use it with a model patched by `hf_attnscale.patch`:
+
+        >>> cache = hfa.SinkCache(sink_tokens=4, window=1020)
+        >>> out = model.generate(ids, past_key_values=cache, max_new_tokens=10_000)
+
+    Passing the same cache to the next ``generate`` call continues the stream. Beam search works; assisted
+    decoding raises (a sink cache cannot roll back).
+
+    Args:
+        sink_tokens: number of initial tokens kept for good (StreamingLLM uses 4); 0 gives window attention.
+        window: number of most recent tokens each query sees, itself included (at least 1).
+    """
+
+    def __init__(self, sink_tokens: int = DEFAULT_SINK_TOKENS, window: int = 1020):
+        self.sink_tokens = check_int("sink_tokens", sink_tokens, 0)
+        self.window = check_int("window", window, 1)
+        super().__init__(layers=[])
+        # Plans of the current model call, by the tokens seen before them (one per piece of a long prompt).
+        self._plans: dict[int, StepPlan] = {}
+        self._first_layer: int | None = None
+        self._tables: dict[tuple, RopeTable] = {}
+
+    @classmethod
+    def from_start_recent(cls, start_size: int, recent_size: int) -> SinkCache:
+        """The cache of mit-han-lab/streaming-llm's ``StartRecentKVCache(start_size, recent_size)``.
+
+        There each query sees ``start_size`` initial tokens, ``recent_size`` recent ones and itself:
+        ``SinkCache(start_size, recent_size + 1)``.
+        """
+        return cls(check_int("start_size", start_size, 0), check_int("recent_size", recent_size, 0) + 1)
+
+    def __repr__(self) -> str:
+        return (
+            f"SinkCache(sink_tokens={self.sink_tokens}, window={self.window}, seen={self.get_seq_length()})"
+        )
+
+    @property
+    def capacity(self) -> int:
+        """The most tokens one layer ever holds: ``sink_tokens + window``."""
+        return self.sink_tokens + self.window
+
+    def layer(self, layer_idx: int) -> SinkCacheLayer:
+        """The layer ``layer_idx``, created on first use."""
+        while len(self.layers) <= layer_idx:
+            self.layers.append(SinkCacheLayer(self.sink_tokens, self.window))
+        return self.layers[layer_idx]
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx >= len(self.layers) or not self.layers[layer_idx].staged:
+            raise ValueError(UNPATCHED_MESSAGE)
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return query_length, self.get_seq_length(layer_idx)
+
+    def reset(self) -> None:
+        super().reset()
+        self._plans = {}
+
+    def attention_step(
+        self,
+        module: nn.Module,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: SinkCache | None = None,
+        **kwargs,
+    ):
+        """One attention module's step over ``hidden_states`` (B, q, hidden), with pos-shift through this cache.
+
+        Called by a patched RoPE attention module's forward (`hf_attnscale.core.routing`) in place of its own.
+        """
+        state = state_of(module)
+        if state is None or module.__dict__.get(ROTARY_ATTR) is None:
+            raise ValueError(UNPATCHED_MESSAGE)
+        check_backend(module.config.model_config._attn_implementation)
+        check_sliding_window(module, self.window)
+        batch, q_len = hidden_states.shape[:2]
+        new_valid = new_token_validity(attention_mask, batch, q_len, hidden_states.device)
+        if not bool(new_valid.any()):
+            raise ValueError(
+                "The attention_mask marks every new token as padding. With a cache, pass a 2D attention_mask "
+                "that covers the past and the new tokens, (batch, past + new), as generate() does; or none."
+            )
+        rotary, layer_type = module.__dict__[ROTARY_ATTR]
+        table = self.rope_table(rotary, layer_type, hidden_states)
+        if position_embeddings is None:
+            position_embeddings = table(torch.zeros(1, q_len, dtype=torch.long, device=hidden_states.device))
+        cos, sin = position_embeddings
+        # RoPE as the identity, in the real cos/sin shapes (Phi-3 rotates only part of the head).
+        identity = (torch.ones_like(cos), torch.zeros_like(sin))
+        rotates = layer_rotates(module, hidden_states, position_embeddings, identity)
+        rope = sys.modules[type(module).__module__].apply_rotary_pos_emb if rotates else no_rotation
+        outputs, weights = [], None
+        for start in range(0, q_len, PIECE_TOKENS):
+            # A long prompt: this layer's queries in pieces, each reading the cache the previous piece left.
+            # Exact (a token's output depends only on earlier tokens); memory stays O(piece x (S + W + piece)).
+            piece = slice(start, start + PIECE_TOKENS)
+            part = tuple(x[:, piece] if x.shape[-2] == q_len else x for x in identity)
+            plan = self.plan(module.layer_idx, new_valid[:, piece], hidden_states.dtype, new_call=start == 0)
+            out, weights = self._run_piece(
+                module, state, hidden_states[:, piece], part, plan, rope, table, kwargs
+            )
+            outputs.append(out)
+        return (outputs[0], weights) if len(outputs) == 1 else (torch.cat(outputs, dim=1), None)
+
+    def _run_piece(
+        self,
+        module: nn.Module,
+        state: AttnScaleState,
+        hidden_states: torch.Tensor,
+        identity: tuple[torch.Tensor, torch.Tensor],
+        plan: StepPlan,
+        rope: RopeFn,
+        table: RopeTable,
+        kwargs: dict,
+    ):
+        """One call of the module's class forward, with the plan staged on its layer and its query hook set."""
+        layer = self.layer(module.layer_idx)
+        layer.stage(plan, rope, table)
+        turns = plan.rotations(table)
+        if plan.mode is Mode.DOUBLED:
+            state.query_hook = lambda q: torch.cat(
+                [rotate_queries(rope, q, turns["new"]), rotate_queries(rope, q, turns["mid"])], dim=-1
+            )
+            state.output_hook = lambda out: out[..., : out.shape[-1] // 2]  # values were zero-padded to 2D
+        else:
+            state.query_hook = lambda q: rotate_queries(rope, q, turns["new"])
+        try:
+            return type(module).forward(
+                module,
+                hidden_states=hidden_states,
+                position_embeddings=identity,
+                attention_mask=plan.mask,
+                past_key_values=self,
+                **kwargs,
+            )
+        finally:
+            state.query_hook = state.output_hook = None
+            layer.unstage()
+
+    def rope_table(self, rotary: nn.Module, layer_type: str | None, like: torch.Tensor) -> RopeTable:
+        """The RoPE table of one rotary embedding (and layer type) for this stream, built on first use."""
+        key = (id(rotary), layer_type, like.dtype, like.device)
+        if key not in self._tables:
+            self._tables[key] = RopeTable(rotary, layer_type, like, self.capacity)
+        return self._tables[key]
+
+    def plan(
+        self, layer_idx: int, new_valid: torch.Tensor, dtype: torch.dtype, *, new_call: bool = True
+    ) -> StepPlan:
+        """The `StepPlan` for the next call of layer ``layer_idx``; built once per model call and shared.
+
+        Args:
+            new_valid: ``(B, q)`` bool, False for padding among the new tokens.
+            dtype: the query dtype (of the mask).
+            new_call: False for the second and later pieces of one layer's call (a long prompt).
+        """
+        layer = self.layer(layer_idx)
+        books = layer.books or Bookkeeping.empty(new_valid.shape[0], self.sink_tokens, new_valid.device)
+        if books.seen_valid.shape[0] != new_valid.shape[0]:
+            raise ValueError(
+                f"This SinkCache holds a batch of {books.seen_valid.shape[0]} streams but got "
+                f"{new_valid.shape[0]}; use one cache per batch (or cache.reset())."
+            )
+        if self._first_layer is None or layer_idx < self._first_layer:
+            self._first_layer = layer_idx
+        if new_call and layer_idx == self._first_layer:
+            self._plans = {}  # a new model call: the last call's plans are stale
+        # Writing into the cache in place would break autograd's saved tensors; it only pays off when decoding.
+        in_place = not torch.is_grad_enabled()
+        plan = self._plans.get(books.seen)
+        if plan is None or not plan.matches(books, new_valid, dtype, in_place):
+            plan = build_plan(books, new_valid, self.sink_tokens, self.window, dtype, in_place)
+            self._plans[books.seen] = plan
+        return plan

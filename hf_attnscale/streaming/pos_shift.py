@@ -1,0 +1,137 @@
+"""StreamingLLM's pos-shift: what a `SinkCache` needs to run an attention module's step, with no copied forward.
+
+A patched RoPE attention module hands its step to the cache (`hf_attnscale.core.routing`). The step calls the
+module's own class forward with RoPE turned into the identity (cos = 1, sin = 0, in the real shapes, so partial
+rotary stays right): q and k come out un-rotated, the cache stores the keys and returns them rotated at the
+positions the call needs, and the query is rotated by the state's ``query_hook`` just before the attention
+function. That function is the core wrapper, so log-n scaling (n counted from the cache's mask) and the exit
+compose without special cases.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from hf_attnscale.core.families import attention_modules, takes_position_embeddings
+from hf_attnscale.core.models import unwrap
+from hf_attnscale.core.patching import ROTARY_ATTR
+from hf_attnscale.core.state import get_config
+
+STREAMING_BACKENDS = ("eager", "sdpa")
+ROTATES_ATTR = "_hfa_rotates"
+UNPATCHED_MESSAGE = (
+    "This attention module cannot stream with a SinkCache. SinkCache needs a RoPE decoder patched with "
+    "hfa.patch(model) (with no options it changes nothing else), using eager or sdpa attention; unpatched "
+    "models, encoders and models without RoPE cannot stream."
+)
+
+
+def check_streaming_model(model: nn.Module) -> None:
+    """Raise ValueError unless ``model`` can run with a `SinkCache` (a patched RoPE decoder, eager or sdpa)."""
+    root = unwrap(model)
+    if get_config(root) is None:
+        raise ValueError(UNPATCHED_MESSAGE)
+    modules = attention_modules(root)
+    encoder = not all(getattr(m, "is_causal", True) for m in modules)
+    if encoder or not all(takes_position_embeddings(m) for m in modules):
+        what = "an encoder" if encoder else "a decoder whose attention takes no RoPE position_embeddings"
+        raise ValueError(
+            f"SinkCache needs a RoPE decoder; {type(root).__name__} (model_type "
+            f"{root.config.model_type!r}) is {what}."
+        )
+    if any(m.__dict__.get(ROTARY_ATTR) is None for m in modules):
+        raise ValueError(
+            f"SinkCache cannot find the one rotary embedding module of this {type(root).__name__} "
+            "(none, or several to choose between), so it cannot place keys inside the cache."
+        )
+    check_backend(root.config._attn_implementation)
+
+
+def check_backend(attn_implementation: str | None) -> None:
+    """Raise ValueError unless the backend takes the dense band mask streaming needs (eager, sdpa)."""
+    inner = attn_implementation or "eager"
+    if inner not in STREAMING_BACKENDS:
+        raise ValueError(
+            f"SinkCache streaming needs eager or sdpa attention (its band mask is a dense 4D mask); this model "
+            f"uses {inner!r}. Switch with model.set_attn_implementation('sdpa')."
+        )
+
+
+def check_sliding_window(module: nn.Module, window: int) -> None:
+    """Raise ValueError if the layer's own sliding window is shorter than the cache's (it was never trained)."""
+    # Qwen2/3 keep the window per layer (None on full-attention layers); Mistral and Phi-3 read the config.
+    own = (
+        module.sliding_window
+        if hasattr(module, "sliding_window")
+        else getattr(module.config, "sliding_window", None)
+    )
+    if own is not None and own < window:
+        raise ValueError(
+            f"This model's layer {module.layer_idx} uses sliding-window attention over {own} tokens, fewer than "
+            f"the SinkCache window ({window}); its queries would see keys it never saw in training. "
+            f"Use SinkCache(window <= {own})."
+        )
+
+
+def no_rotation(q, k, cos, sin, *args, **kwargs):
+    """For layers that use no RoPE (Cohere-2's global layers, SmolLM3's NoPE layers): positions do nothing."""
+    return q, k
+
+
+def layer_rotates(module: nn.Module, hidden_states, position_embeddings, identity) -> bool:
+    """Whether this layer applies RoPE at all, found once by running it with and without a rotation.
+
+    Some families skip RoPE on some layers (NoPE); rotating their keys in the cache would be wrong. The keys
+    the layer hands its cache are compared under the identity and under real, non-trivial cos/sin.
+    """
+    if ROTATES_ATTR not in module.__dict__:
+        probe = hidden_states[:1, :2].detach()
+        cos, sin = position_embeddings
+        turned = (cos[:1, -1:].expand(1, probe.shape[1], -1), sin[:1, -1:].expand(1, probe.shape[1], -1))
+        turned = turned if bool((turned[1] != 0).any()) else _some_rotation(turned)
+        keys = []
+        for embeddings in (
+            (identity[0][:1, :1].expand_as(turned[0]), identity[1][:1, :1].expand_as(turned[1])),
+            turned,
+        ):
+            recorder = DynamicCache()
+            with torch.no_grad():
+                type(module).forward(
+                    module,
+                    hidden_states=probe,
+                    position_embeddings=embeddings,
+                    attention_mask=None,
+                    past_key_values=recorder,
+                )
+            keys.append(recorder.layers[module.layer_idx].keys)
+        module.__dict__[ROTATES_ATTR] = not torch.equal(keys[0], keys[1])
+    return module.__dict__[ROTATES_ATTR]
+
+
+def _some_rotation(cos_sin):
+    cos, sin = cos_sin
+    angle = torch.linspace(0.3, 1.1, cos.shape[-1], device=cos.device)
+    return angle.cos().to(cos.dtype).expand_as(cos), angle.sin().to(sin.dtype).expand_as(sin)
+
+
+def new_token_validity(
+    mask: torch.Tensor | None, batch: int, q_len: int, device: torch.device
+) -> torch.Tensor:
+    """``(B, q)`` bool: which new tokens are real, read from the mask transformers built for them.
+
+    `SinkCache.get_mask_sizes` makes that mask cover the new tokens only: ``(B|1, 1, q, q)``, causal and
+    padded, so its diagonal is exactly the padding of the new tokens (None: no padding).
+    """
+    if mask is None:
+        return torch.ones(batch, q_len, dtype=torch.bool, device=device)
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-2:] != (q_len, q_len):
+        raise ValueError(
+            "With a SinkCache, pass a 2D attention_mask (batch, past + new tokens), or none; got "
+            f"{type(mask).__name__} of shape {tuple(getattr(mask, 'shape', ()))}."
+        )
+    diagonal = mask[:, 0].diagonal(dim1=-2, dim2=-1)
+    if diagonal.dtype != torch.bool:
+        diagonal = diagonal > torch.finfo(diagonal.dtype).min / 2
+    return diagonal.expand(batch, q_len).to(device)

@@ -1,0 +1,93 @@
+"""cos/sin of a model's own rotary embedding at any positions, with its frequencies fixed for a whole stream.
+
+Some RoPE types change their frequencies with the length of the call (dynamic NTK, longrope). A stream keeps
+keys rotated between calls, so every call must rotate with the same frequencies: a `RopeTable` fixes them
+at those the model uses for a sequence of the cache's capacity (``sink_tokens + window``), the most tokens a
+query ever sees. Angles are computed in float64 from the rotary module's own frequencies and scaling, once
+they are shown to give its output, so positions of any size keep full precision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+LENGTH_DEPENDENT = ("dynamic", "longrope")
+LAYOUT_CHECK_POSITIONS = 16
+
+
+def _rope_types(rotary: nn.Module) -> list[str]:
+    kind = getattr(rotary, "rope_type", "default")
+    return list(kind.values()) if isinstance(kind, dict) else [str(kind)]
+
+
+class RopeTable:
+    """cos/sin of ``rotary`` (for one layer type) at integer positions, frequencies fixed at ``length`` tokens.
+
+    Args:
+        rotary: the model's rotary embedding module.
+        layer_type: the layer type it takes (Gemma-3's sliding / full layers), or None.
+        like: a tensor of the dtype and device the cos/sin are wanted in.
+        length: the sequence length whose frequencies are used for every position.
+    """
+
+    def __init__(self, rotary: nn.Module, layer_type: str | None, like: torch.Tensor, length: int) -> None:
+        self.rotary, self.layer_type, self.dtype = rotary, layer_type, like.dtype
+        device = like.device
+        # Position 0 first: a dynamic rotary that saw a long input earlier resets to its original frequencies,
+        # so that the call at `length` sets those of `length` whatever ran before.
+        self._module(like, torch.zeros(1, 1, dtype=torch.long, device=device))
+        reference = self._module(like, torch.arange(length, device=device)[None])
+        prefix = f"{layer_type}_" if layer_type else ""
+        inv_freq = getattr(rotary, f"{prefix}inv_freq", None)
+        scaling = getattr(rotary, f"{prefix}attention_scaling", getattr(rotary, "attention_scaling", None))
+        self.inv_freq = None if inv_freq is None else inv_freq.detach().to(device, torch.float64).clone()
+        self.scaling = None if scaling is None else float(scaling)
+        check = torch.arange(min(length, LAYOUT_CHECK_POSITIONS), device=device)[None]
+        computed = self._computed(check) if self.inv_freq is not None and self.scaling is not None else None
+        self.exact = computed is not None and all(
+            got.shape == want.shape
+            and torch.allclose(got.float(), want[:, : check.shape[1]].float(), atol=1e-5)
+            for got, want in zip(computed, reference)
+        )
+        if not self.exact and any(kind in LENGTH_DEPENDENT for kind in _rope_types(rotary)):
+            raise ValueError(
+                f"SinkCache cannot fix the frequencies of this model's {_rope_types(rotary)} RoPE "
+                f"({type(rotary).__name__} does not compute cos/sin from inv_freq in the usual layout), so its "
+                "keys could not stay rotated between calls. Stream it with a static rope type."
+            )
+
+    def _module(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.layer_type is None:
+            return self.rotary(like, positions)
+        return self.rotary(like, positions, self.layer_type)
+
+    def _computed(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions.to(torch.float64)[..., None] * self.inv_freq
+        emb = torch.cat([angles, angles], dim=-1)
+        return (emb.cos() * self.scaling).to(self.dtype), (emb.sin() * self.scaling).to(self.dtype)
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin at ``positions`` ``(B, n)`` (any integers, negative too): ``(B, n, rotary_dim)`` each."""
+        if positions.shape[0] > 1 and bool((positions == positions[:1]).all()):
+            positions = positions[:1]
+        if self.exact:
+            return self._computed(positions)
+        return self._module(torch.empty(0, dtype=self.dtype, device=positions.device), positions)
+
+
+RopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+"""A family's ``apply_rotary_pos_emb(q, k, cos, sin)``."""
+
+
+def rotate_keys(rope: RopeFn, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Keys ``(B, H, n, D)`` rotated by the family's own function (its partial rotary, its layout)."""
+    # The family's function rotates a (q, k) pair; a one-head stand-in for q keeps the wasted work to 1/H.
+    return rope(x[:, :1], x, *cos_sin)[1]
+
+
+def rotate_queries(rope: RopeFn, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Queries ``(B, H, n, D)`` rotated by the family's own function."""
+    return rope(x, x[:, :1], *cos_sin)[0]
