@@ -137,9 +137,10 @@ def test_demo_runs_the_shipped_model(tmp_path, capsys):
     assert code == 0, err
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["train_length"] == 256 and saved["model"] == "builtin:tiny-llama-stdlib"
-    assert [v["name"] for v in saved["variants"]][-1] == "streaming+logn (4+508)"
+    # Segments are read behind BOS (L + 1 positions), so the caches hold one token more than L.
+    assert saved["bos_id"] == 1 and [v["name"] for v in saved["variants"]][-1] == "streaming+logn (4+509)"
     at_1x = [r["ppl"] for r in saved["rows"] if r["length"] == 256]
     # At the trained length no variant changes anything: caches hold the segment and logn is clamped to 1.
     assert len(at_1x) == 6 and max(at_1x) == pytest.approx(min(at_1x), rel=1e-5)
     assert 10 < at_1x[0] < 500  # a trained model, not a random one (which would be near the vocab size)
-    assert "| window-only (256) |" in out and (tmp_path / "ppl_vs_length.png").exists()
+    assert "| window-only (257) |" in out and (tmp_path / "ppl_vs_length.png").exists()

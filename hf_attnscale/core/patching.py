@@ -15,9 +15,11 @@ first gets a private copy of its config, so that models built from one config ob
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -268,6 +270,32 @@ def _put(mapping: dict, key: str, value: Any) -> None:
         mapping.pop(key, None)
     else:
         mapping[key] = value
+
+
+@contextlib.contextmanager
+def patched(model: M, config: AttnScaleConfig | None) -> Iterator[M]:
+    """Patch ``model`` with ``config`` (None: unpatch it) for the ``with`` block, then restore it exactly.
+
+    Unlike `patch` followed by `unpatch`, everything comes back: an earlier patch and its trained
+    parameters, the config object and the patch it records. Patching with the patch already in force
+    changes nothing, so a trained patch runs as trained.
+
+    Example:
+        >>> with hfa.patched(model, hfa.AttnScaleConfig(scale="logn", train_length=4096)):
+        ...     logits = model(ids).logits
+    """
+    root = unwrap(model)
+    # Unpatching needs only the patched modules (an unsupported model has none); patching needs them all.
+    modules = [m for _, m in patched_modules(root)] if config is None else attention_modules(root)
+    snapshot = _snapshot(root, modules)
+    try:
+        if config is None:
+            unpatch(root)
+        else:
+            apply(root, config)
+        yield model
+    finally:
+        _restore(root, snapshot)
 
 
 def unpatch(model: M) -> M:

@@ -8,6 +8,7 @@ longer windows give each masked token more context. The masked positions are dra
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,6 +16,9 @@ import torch
 from torch import nn
 
 from hf_attnscale.validation import check_int
+
+from .report import SweepResult, SweepRow, versions
+from .variants import Variant
 
 
 @dataclass(frozen=True)
@@ -143,3 +147,58 @@ def pseudo_perplexity(
             nll += nn.functional.cross_entropy(picked, want, reduction="sum").item()
         results.append(MaskedLMResult(length, correct / len(targets), nll / len(targets), len(targets)))
     return results
+
+
+def mlm_sweep(
+    model: nn.Module,
+    documents: Sequence[torch.Tensor],
+    lengths: Sequence[int],
+    variants: Sequence[Variant],
+    mask_token_id: int,
+    *,
+    names: Sequence[str] | None = None,
+    max_documents: int | None = None,
+    train_length: int | None = None,
+    positions_per_window: int = 16,
+    on_variant=None,
+) -> SweepResult:
+    """For masked LMs what `hf_attnscale.sweep` is for causal ones: each variant's pseudo-perplexity and MLM
+    accuracy at each length (see `masked_lm_accuracy` and `pseudo_perplexity`).
+
+    Variants must be dense (no streaming cache: an encoder reads its whole window at once).
+    """
+    streaming = [v.name for v in variants if v.streaming]
+    if streaming:
+        raise ValueError(f"Variants {streaming} stream through a SinkCache, which an encoder cannot use.")
+    lengths, _ = _check_documents(documents, lengths)
+    names = list(names) if names is not None else [f"doc{i}" for i in range(len(documents))]
+    chosen = [(n, d) for n, d in zip(names, documents) if d.numel() >= lengths[-1]]
+    if max_documents is not None:
+        chosen = chosen[: check_int("max_documents", max_documents, 1)]
+    docs = [d for _, d in chosen]
+    rows, seconds = [], {}
+    for variant in variants:
+        start = time.perf_counter()
+        with variant.applied(model):
+            accuracy = masked_lm_accuracy(model, docs, lengths, mask_token_id)
+            pseudo = pseudo_perplexity(
+                model, docs, lengths, mask_token_id, positions_per_window=positions_per_window
+            )
+        seconds[variant.name] = time.perf_counter() - start
+        variant_rows = [
+            SweepRow(variant.name, p.length, p.perplexity, p.nll, p.tokens, len(docs), accuracy=a.accuracy)
+            for a, p in zip(accuracy, pseudo)
+        ]
+        rows += variant_rows
+        if on_variant is not None:
+            on_variant(variant, variant_rows, seconds[variant.name])
+    return SweepResult(
+        rows=rows,
+        variants=list(variants),
+        lengths=lengths,
+        documents=[n for n, _ in chosen],
+        train_length=train_length,
+        seconds=seconds,
+        info={"positions_per_window": positions_per_window, "versions": versions()},
+        measure="pseudo-perplexity",
+    )

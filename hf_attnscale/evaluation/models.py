@@ -6,11 +6,23 @@ and ships inside the package, so demos and tests run offline.
 
 from __future__ import annotations
 
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
+import huggingface_hub
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
+from transformers.utils import cached_file
 
 from hf_attnscale.core.loading import from_pretrained
 
@@ -18,6 +30,7 @@ DEFAULT_MODEL_NAME = "tiny-llama-stdlib"
 DEFAULT_MODEL = f"builtin:{DEFAULT_MODEL_NAME}"
 """Name of the shipped checkpoint wherever a model path or Hub id is taken."""
 PRETRAIN_COMMAND = "see benchmarks/PRETRAIN.md (python -m hf_attnscale.training.lm ...)"
+HUB_PROBE_SECONDS = 3
 
 
 def default_model_path() -> Path:
@@ -52,14 +65,40 @@ def load_default_model(
     return model.eval(), tokenizer
 
 
+def model_kind(config: Any) -> str:
+    """``"causal"`` or ``"masked"``: which head a saved model is evaluated with.
+
+    Read from the architecture it was saved as, else from whether transformers has a causal-LM or masked-LM
+    head for its type (BERT-like types have both: ``is_decoder`` decides). Raises ValueError for anything else.
+    """
+    architectures = getattr(config, "architectures", None) or []
+    if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
+        return "causal"
+    if any(a.endswith("ForMaskedLM") for a in architectures):
+        return "masked"
+    causal = type(config) in MODEL_FOR_CAUSAL_LM_MAPPING
+    masked = type(config) in MODEL_FOR_MASKED_LM_MAPPING
+    if causal and (not masked or getattr(config, "is_decoder", False)):
+        return "causal"
+    if masked:
+        return "masked"
+    raise ValueError(
+        f"model_type {config.model_type!r} ({', '.join(architectures) or 'no saved architecture'}) is neither a "
+        "causal nor a masked language model; hf-attnscale evaluates language models."
+    )
+
+
 def load_model(
     name: str, device: torch.device, dtype: Any, attn_implementation: str = "sdpa"
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A causal LM (in eval mode, on ``device``, with the patch saved with it) and its tokenizer.
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
+    """A language model (in eval mode, on ``device``, with the patch saved with it), its tokenizer and kind.
+
+    The kind is "causal" or "masked" (`model_kind`). Fails fast, saying why, when the model is neither a local
+    directory nor in the Hugging Face cache and the Hub cannot be reached.
 
     Raises:
         FileNotFoundError: no such local directory, or the Hub cannot provide it (offline, unknown id).
-        ValueError: the checkpoint is not a causal language model.
+        ValueError: not a language model, or an attention backend that cannot run here.
     """
     resolved = resolve_model_path(name)
     path = Path(resolved).expanduser()
@@ -71,18 +110,43 @@ def load_model(
             f"Model directory {resolved!r} {what}; pass a saved model directory or a Hub id."
         )
     source = str(path) if looks_local else resolved
+    if not looks_local:
+        _check_hub_reachable(source)
     try:
+        config = AutoConfig.from_pretrained(source)
+        kind = model_kind(config)
         tokenizer = AutoTokenizer.from_pretrained(source)
-        model = from_pretrained(
-            AutoModelForCausalLM, source, dtype=dtype, attn_implementation=attn_implementation
-        )
+        model_class = AutoModelForCausalLM if kind == "causal" else AutoModelForMaskedLM
+        model = from_pretrained(model_class, source, dtype=dtype, attn_implementation=attn_implementation)
     except OSError as err:
         raise FileNotFoundError(
             f"Cannot load model {name!r}: it is not a local directory, and the Hugging Face Hub could not "
             f"provide it (offline, private, or no such id). {err}"
         ) from err
-    except ValueError as err:
-        if "Unrecognized configuration class" in str(err):
-            raise ValueError(f"Model {name!r} is not a causal language model: {err}") from err
-        raise
-    return model.to(device).eval(), tokenizer
+    except ImportError as err:
+        raise ValueError(
+            f"attn_implementation={attn_implementation!r} cannot run here: {err} Use sdpa (or eager) instead."
+        ) from None
+    return model.to(device).eval(), tokenizer, kind
+
+
+def _check_hub_reachable(repo: str) -> None:
+    """Fail fast for a Hub id that is not cached when the Hub is off (instead of retrying for a minute)."""
+    if cached_file(repo, "config.json", local_files_only=True, _raise_exceptions_for_missing_entries=False):
+        return
+    reason = None
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        reason = "HF_HUB_OFFLINE is set"
+    else:
+        endpoint = huggingface_hub.constants.ENDPOINT
+        try:
+            urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=HUB_PROBE_SECONDS)
+        except urllib.error.HTTPError:
+            pass  # the Hub answered
+        except (OSError, ValueError) as err:
+            reason = f"{endpoint} cannot be reached ({type(err).__name__})"
+    if reason is not None:
+        raise FileNotFoundError(
+            f"Model {repo!r} is not a local directory and is not in the Hugging Face cache, and the Hub cannot "
+            f"be used: {reason}. Pass a saved model directory, or download the model where the Hub is reachable."
+        )

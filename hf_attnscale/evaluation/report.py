@@ -14,10 +14,19 @@ import transformers
 
 from .variants import Variant
 
+DEFINITIONS = {
+    "perplexity": "ppl at length L: documents of >= max(lengths) tokens, each cut to its first max(lengths) "
+    "tokens, split into non-overlapping L-token segments read from scratch; exp(token-weighted mean NLL) over "
+    "every predicted token",
+    "pseudo-perplexity": "at length L: documents of >= max(lengths) tokens cut into non-overlapping L-token "
+    "windows; pseudo-perplexity: exp(mean NLL) of sampled tokens, each masked alone with the rest of its window "
+    "visible; accuracy: top-1 accuracy with 15% of each window masked at once (the same tokens at every L)",
+}
+
 
 @dataclass(frozen=True)
 class SweepRow:
-    """Perplexity of one variant at one length (see the module docstring for the definition)."""
+    """One variant at one length: perplexity (pseudo-perplexity for a masked LM), and MLM accuracy if any."""
 
     variant: str
     length: int
@@ -25,6 +34,7 @@ class SweepRow:
     nll: float
     tokens: int
     documents: int
+    accuracy: float | None = None
 
 
 @dataclass
@@ -38,6 +48,8 @@ class SweepResult:
     train_length: int | None = None
     seconds: dict[str, float] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
+    measure: str = "perplexity"
+    """What ``ppl`` is: "perplexity" (causal LM) or "pseudo-perplexity" (masked LM, with MLM accuracy)."""
 
     def ppl(self, variant: str, length: int) -> float:
         """The perplexity of ``variant`` at ``length``."""
@@ -51,26 +63,38 @@ class SweepResult:
             return f"{length} ({length / self.train_length:g}x)"
         return str(length)
 
+    @property
+    def has_accuracy(self) -> bool:
+        return any(r.accuracy is not None for r in self.rows)
+
+    def header(self) -> str:
+        """The Markdown table's header: one column per length (perplexity, then MLM accuracy), tokens/s."""
+        labels = [self._length_label(n) for n in self.lengths]
+        if self.has_accuracy:
+            labels = [f"PPPL {x}" for x in labels] + [f"acc {x}" for x in labels]
+        header = ["variant", *labels, "tok/s"]
+        return "\n".join(
+            ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+        )
+
+    def row(self, variant: str) -> str:
+        """One variant's line of the Markdown table."""
+        rows = {r.length: r for r in self.rows if r.variant == variant}
+        cells = [f"{rows[n].ppl:.2f}" for n in self.lengths]
+        if self.has_accuracy:
+            cells += [f"{100 * rows[n].accuracy:.2f}%" for n in self.lengths]
+        seconds = self.seconds.get(variant, 0.0)
+        tokens = sum(r.tokens for r in rows.values())
+        return "| " + " | ".join([variant, *cells, f"{tokens / seconds:,.0f}" if seconds > 0 else "-"]) + " |"
+
     def table(self) -> str:
-        """A Markdown table: one row per variant, one perplexity column per length, then tokens/s."""
-        header = ["variant", *(self._length_label(n) for n in self.lengths), "tok/s"]
-        lines = [
-            "| " + " | ".join(header) + " |",
-            "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|",
-        ]
-        for variant in self.variants:
-            tokens = sum(r.tokens for r in self.rows if r.variant == variant.name)
-            seconds = self.seconds.get(variant.name, 0.0)
-            speed = f"{tokens / seconds:,.0f}" if seconds > 0 else "-"
-            cells = [f"{self.ppl(variant.name, n):.2f}" for n in self.lengths]
-            lines.append("| " + " | ".join([variant.name, *cells, speed]) + " |")
-        return "\n".join(lines)
+        """A Markdown table: one row per variant, one column per length (and measure), then tokens/s."""
+        return "\n".join([self.header(), *(self.row(v.name) for v in self.variants)])
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "definition": "ppl at length L: documents of >= max(lengths) tokens, each cut to its first "
-            "max(lengths) tokens, split into non-overlapping L-token segments read from scratch; "
-            "exp(token-weighted mean NLL) over every predicted token",
+            "measure": self.measure,
+            "definition": DEFINITIONS[self.measure],
             "lengths": self.lengths,
             "train_length": self.train_length,
             "documents": self.documents,

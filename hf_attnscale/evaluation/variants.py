@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 from torch import nn
 
 from hf_attnscale.core.config import AttnScaleConfig
-from hf_attnscale.core.patching import patch, unpatch
+from hf_attnscale.core.patching import patched
 from hf_attnscale.streaming.cache import SinkCache, cache_settings
 
 
@@ -49,11 +50,13 @@ class Variant:
         """Whether segments are streamed through a `SinkCache` instead of read densely."""
         return self.window is not None
 
-    def apply(self, model: nn.Module) -> None:
-        """Put ``model`` in this variant's state (reconfiguring any earlier patch)."""
-        unpatch(model)
-        if self.config is not None:
-            patch(model, config=self.config)
+    def applied(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """``with variant.applied(model):`` runs ``model`` as this variant, then restores it exactly.
+
+        A variant whose patch is the one already in force (a trained patch loaded with the model) runs it as
+        it is, learned parameters included.
+        """
+        return patched(model, self.config)
 
     def new_cache(self) -> SinkCache | None:
         """A fresh cache for one segment, or None for dense reading."""

@@ -1,0 +1,13 @@
+"""Diagnostics on any supported model, patched or not: what its attention and activations look like.
+
+* `attention_statistics`: per layer, head and query, the entropy of the attention distribution, the mass on
+  the first tokens (the sink detector), the size of the softmax gradient, and the mass on the exit;
+* `activation_outliers`: kurtosis and largest magnitude of the attention blocks' outputs and hidden states.
+
+Each returns tensors and draws a plot; ``hf-attnscale diagnose`` runs them on a model and text from the CLI.
+"""
+
+from .attention import AttentionStatistics, attention_statistics
+from .outliers import OutlierStatistics, activation_outliers
+
+__all__ = ["AttentionStatistics", "OutlierStatistics", "activation_outliers", "attention_statistics"]
