@@ -54,6 +54,8 @@ def scaled_attention(
             device=query.device,
         )
         query = query * query_multiplier(config, n, state.ssmax).unsqueeze(-1).to(query.dtype)
+    if config.has_exit:
+        check_exit_backend(inner, query.device)
     sink = state.sink_logits(query.device) if config.has_exit else None
     if state.probe is not None:
         state.probe(module, query, key, attention_mask, causal=causal, sink=sink, inner=inner, **kwargs)
@@ -67,6 +69,15 @@ def scaled_attention(
         out = fused_sink_attention_cpu(query, key, value, attention_mask, sink, causal, kwargs.get("scaling"))
         return out.transpose(1, 2).contiguous(), None
     return _extra_key_attention(fn, module, query, key, value, attention_mask, sink, causal, **kwargs)
+
+
+def check_exit_backend(inner: str, device: torch.device) -> None:
+    """Raise ValueError where the exit cannot run: flex_attention's sinks need CUDA (transformers' own limit)."""
+    if inner == "flex_attention" and device.type == "cpu":
+        raise ValueError(
+            "zero_kv / sink_logit under flex_attention need a GPU (transformers runs flex sinks via its CUDA "
+            "logsumexp); on CPU use attn_implementation='sdpa' or 'eager'."
+        )
 
 
 def visible_key_counts(

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from .attention import check_exit_backend
 from .checkpoint import CheckpointNotFound, read_tensors, safetensors_files
 from .config import CONFIG_KEY, AttnScaleConfig, ScaleName, SinkLogit, read_saved_config
 from .dispatch import PatchedConfigView, check_backend, routed_config
@@ -128,12 +129,8 @@ def _plan(root: nn.Module, config: AttnScaleConfig) -> _Plan:
     if config.has_exit and rule.no_exit:
         raise ValueError(f"zero_kv / sink_logit: {rule.no_exit}. Use the scale options alone.")
     inner = check_backend(root.config._attn_implementation)
-    device = next(root.parameters()).device
-    if inner == "flex_attention" and config.has_exit and device.type == "cpu":
-        raise ValueError(
-            "zero_kv / sink_logit under flex_attention need a GPU (transformers runs flex sinks via its CUDA "
-            "logsumexp); on CPU load the model with attn_implementation='sdpa' or 'eager'."
-        )
+    if config.has_exit:
+        check_exit_backend(inner, next(root.parameters()).device)
     states = [_new_state(config, query_heads(m, root.config), m) for m in modules]
     rotary = [_rotary_for(root, m) if takes_position_embeddings(m) else None for m in modules]
     return _Plan(config, rule, modules, states, rotary)
