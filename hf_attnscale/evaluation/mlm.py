@@ -128,25 +128,54 @@ def pseudo_perplexity(
     ]
     results = []
     for length in lengths:
-        inputs, targets, where = [], [], []
+        windows, where = [], []
         for doc, positions in zip(docs, chosen):
             for p in positions.tolist():
                 start = p // length * length
-                inputs.append(doc[start : start + length])
+                windows.append(doc[start : start + length])
                 where.append(p - start)
-                targets.append(int(doc[p]))
-        correct = nll = 0.0
-        for first in range(0, len(inputs), batch_size):
-            rows = torch.stack(inputs[first : first + batch_size]).clone()
-            index = torch.tensor(where[first : first + batch_size])
-            rows[torch.arange(rows.shape[0]), index] = mask_token_id
-            logits = model(input_ids=rows.to(_device(model))).logits.float().cpu()
-            picked = logits[torch.arange(rows.shape[0]), index]
-            want = torch.tensor(targets[first : first + batch_size])
-            correct += (picked.argmax(-1) == want).sum().item()
-            nll += nn.functional.cross_entropy(picked, want, reduction="sum").item()
-        results.append(MaskedLMResult(length, correct / len(targets), nll / len(targets), len(targets)))
+        nll, correct = masked_one_at_a_time(model, windows, where, mask_token_id, batch_size=batch_size)
+        results.append(MaskedLMResult(length, correct.float().mean().item(), nll.mean().item(), len(where)))
     return results
+
+
+@torch.no_grad()
+def masked_one_at_a_time(
+    model: nn.Module,
+    windows: Sequence[torch.Tensor],
+    positions: Sequence[int],
+    mask_token_id: int,
+    *,
+    batch_size: int = 16,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each (window, position): the NLL of the token there with only it masked, and whether the top-1
+    prediction is right. Both ``(len(positions),)``; windows in one batch must have the same length."""
+    nll, correct = [], []
+    for first in range(0, len(positions), batch_size):
+        rows = torch.stack(list(windows[first : first + batch_size])).clone()
+        index = torch.tensor(positions[first : first + batch_size])
+        arange = torch.arange(rows.shape[0])
+        targets = rows[arange, index].clone()
+        rows[arange, index] = mask_token_id
+        logits = model(input_ids=rows.to(_device(model))).logits.float().cpu()[arange, index]
+        nll.append(nn.functional.cross_entropy(logits, targets, reduction="none"))
+        correct.append(logits.argmax(-1) == targets)
+    return torch.cat(nll), torch.cat(correct)
+
+
+def pseudo_log_likelihood(
+    model: nn.Module, ids: torch.Tensor, mask_token_id: int, window: int, *, batch_size: int = 16
+) -> float:
+    """The pseudo-log-likelihood of a whole token sequence: every token masked alone, read in non-overlapping
+    windows of ``window`` tokens (the last one shorter). The sum of ``log p``, in nats."""
+    total = 0.0
+    for start in range(0, ids.numel(), window):
+        piece = ids[start : start + window]
+        nll, _ = masked_one_at_a_time(
+            model, [piece] * piece.numel(), list(range(piece.numel())), mask_token_id, batch_size=batch_size
+        )
+        total -= nll.double().sum().item()
+    return total
 
 
 def mlm_sweep(

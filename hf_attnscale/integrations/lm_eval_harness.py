@@ -1,12 +1,15 @@
 """lm-eval integration: the ``hf-attnscale`` model type, the built-in corpus as a dataset, and a launcher.
 
 lm-eval's CLI cannot import plugins, so the model type is registered when this module is imported, and the
-launcher imports it before handing over to lm-eval's own CLI::
+launcher imports it before handing over to lm-eval's own CLI. The package's task configs (`TASKS_DIR`) are
+found without a path::
 
     hf-attnscale lm-eval --model hf-attnscale \\
         --model_args pretrained=PATH,scale=logn,train_length=4096,window=1020,sink_tokens=4 \\
-        --tasks hfa_stdlib_heldout --include_path eval_configs --device cuda
+        --tasks hfa_stdlib_heldout --device cuda
     python -m hf_attnscale.integrations.lm_eval_harness ...   # the same
+
+From Python, pass ``TaskManager(include_path=TASKS_DIR)`` to lm-eval's ``simple_evaluate``.
 
 Importing this module needs lm-eval (``pip install hf_attnscale[eval]``); ``import hf_attnscale`` does not.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import datasets
@@ -23,29 +27,48 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.registry import MODEL_REGISTRY, register_model
 from lm_eval.models.huggingface import HFLM
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
 from hf_attnscale.core.config import AttnScaleConfig, read_saved_config
+from hf_attnscale.core.loading import from_pretrained
 from hf_attnscale.core.patching import patch
 from hf_attnscale.core.state import get_config
 from hf_attnscale.evaluation.corpus import builtin_documents
-from hf_attnscale.evaluation.models import default_model_path, resolve_model_path
+from hf_attnscale.evaluation.mlm import pseudo_log_likelihood
+from hf_attnscale.evaluation.models import default_model_path, model_kind, resolve_model_path
 from hf_attnscale.evaluation.perplexity import perplexity
 from hf_attnscale.streaming.cache import SinkCache, cache_settings
 from hf_attnscale.streaming.pos_shift import check_streaming_model
 from hf_attnscale.validation import check_int
 
 MODEL_TYPE = "hf-attnscale"
+TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
+"""The package's lm-eval task configs (the built-in corpus at several lengths, templates, Hub corpora)."""
+
+
+class _SavedPatchLoader:
+    """Stands in for HFLM's ``AUTO_MODEL_CLASS``: loads with `hfa.from_pretrained`, saved patch included."""
+
+    def __init__(self, auto_class: type) -> None:
+        self.auto_class = auto_class
+
+    def from_pretrained(self, *args: Any, **kwargs: Any):
+        return from_pretrained(self.auto_class, *args, **kwargs)
 
 
 class HFAttnScaleLM(HFLM):
     """lm-eval's ``HFLM`` with an `hf_attnscale` patch, and StreamingLLM for rolling perplexity.
 
-    Every request type runs through the patched model. With ``window`` set, ``loglikelihood_rolling``
-    (perplexity tasks) streams each whole document through a fresh ``SinkCache(sink_tokens, window)``
-    instead of scoring disjoint ``max_length`` windows: every token is predicted from the document's first
-    ``sink_tokens`` tokens plus its last ``window`` tokens, as in StreamingLLM, however long the document.
-    Other request types (multiple choice, generation) stay dense.
+    A saved model is loaded with the patch it was saved with (learned values included). Every request type
+    runs through the patched model. With ``window`` set, ``loglikelihood_rolling`` (perplexity tasks) streams
+    each whole document through a fresh ``SinkCache(sink_tokens, window)`` instead of scoring disjoint
+    ``max_length`` windows: every token is predicted from the document's first ``sink_tokens`` tokens plus its
+    last ``window`` tokens, as in StreamingLLM, however long the document. Other request types (multiple
+    choice, generation) stay dense.
+
+    A masked LM (an encoder such as BERT) has no causal likelihood: its perplexity tasks are scored with the
+    pseudo-log-likelihood (every token masked alone, in windows of ``max_length``), so ``word_perplexity``
+    is a pseudo-perplexity; its other request types are refused.
 
     Args:
         pretrained: a model path, Hub id, ``builtin:tiny-llama-stdlib`` (the shipped model), or a model object
@@ -81,6 +104,14 @@ class HFAttnScaleLM(HFLM):
         self.chunk_size = check_int("chunk_size", chunk_size, 1)
         if isinstance(pretrained, str):
             pretrained = resolve_model_path(pretrained)
+            self.masked = model_kind(AutoConfig.from_pretrained(pretrained)) == "masked"
+        else:
+            self.masked = type(pretrained).__name__.endswith("ForMaskedLM")
+        if self.masked and window is not None:
+            raise ValueError("window= streams a causal LM through a SinkCache; this model is a masked LM.")
+        self.AUTO_MODEL_CLASS = _SavedPatchLoader(
+            AutoModelForMaskedLM if self.masked else AutoModelForCausalLM
+        )
 
         super().__init__(pretrained=pretrained, **kwargs)
 
@@ -98,7 +129,12 @@ class HFAttnScaleLM(HFLM):
         return self.window is not None
 
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
-        """Log-likelihood of each whole document: streamed with a ``window``, else lm-eval's windows."""
+        """Log-likelihood of each whole document: streamed with a ``window``, else lm-eval's windows.
+
+        For a masked LM: the pseudo-log-likelihood, in windows of ``max_length``.
+        """
+        if self.masked:
+            return self._pseudo_log_likelihoods(requests, disable_tqdm)
         if not self.streaming:
             return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
         results = []
@@ -120,6 +156,32 @@ class HFAttnScaleLM(HFLM):
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
             results.append(total)
         return results
+
+    def _pseudo_log_likelihoods(self, requests: list[Instance], disable_tqdm: bool) -> list[float]:
+        if self.tokenizer.mask_token_id is None:
+            raise ValueError("This masked LM's tokenizer has no mask token; pseudo-likelihood needs one.")
+        results = []
+        for request in tqdm(requests, desc="pseudo-likelihood", disable=disable_tqdm or self.rank != 0):
+            (text,) = request.args
+            # The text's own tokens: special ones are neither context the encoder was given nor scored.
+            ids = torch.tensor(self.tok_encode(text, add_special_tokens=False), dtype=torch.long)
+            total = pseudo_log_likelihood(self.model, ids, self.tokenizer.mask_token_id, self.max_length)
+            self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
+            results.append(total)
+        return results
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        if self.masked:
+            raise NotImplementedError(
+                "hf-attnscale scores masked LMs (encoders) on perplexity tasks only (loglikelihood_rolling, as "
+                "pseudo-likelihood); multiple-choice loglikelihood needs a causal LM."
+            )
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        if self.masked:
+            raise NotImplementedError("A masked LM (an encoder) does not generate text.")
+        return super().generate_until(requests, disable_tqdm=disable_tqdm)
 
     def get_model_info(self) -> dict:
         info = super().get_model_info()
@@ -173,6 +235,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     register()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not any(a == "--include_path" or a.startswith("--include_path=") for a in argv):
+        argv += ["--include_path", str(TASKS_DIR)]
+    elif "--help" not in argv and "-h" not in argv:
+        # lm-eval takes one include path: the user's replaces ours.
+        print(
+            f"note: --include_path replaces hf_attnscale's own tasks ({TASKS_DIR}); copy them into your "
+            "folder to use both.",
+            file=sys.stderr,
+        )
     saved, sys.argv = sys.argv, ["lm-eval", *argv]  # lm-eval's parser reads sys.argv itself
     try:
         cli_evaluate()
