@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -22,10 +23,10 @@ from test_evaluate import single_thread, tiny_lm_with_tokenizer  # noqa: E402, F
 import hf_attnscale as hfa  # noqa: E402
 from hf_attnscale.evaluation.corpus import builtin_documents, long_documents  # noqa: E402
 from hf_attnscale.evaluation.models import default_model_path  # noqa: E402
-from hf_attnscale.integrations.lm_eval_harness import HFAttnScaleLM  # noqa: E402
+from hf_attnscale.integrations.lm_eval_harness import TASKS_DIR, HFAttnScaleLM  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-EVAL_CONFIGS = REPO / "eval_configs"
+EVAL_CONFIGS = TASKS_DIR
 TASK = "hfa_local_jsonl"
 MAX_LENGTH = 48
 
@@ -218,3 +219,44 @@ def test_eval_configs_index_and_build_the_builtin_tasks():
     for doc, source in zip(docs, long):
         assert source.text.startswith(doc["text"])
         assert abs(len(tokenizer(doc["text"])["input_ids"]) - 4096) <= 2  # cut at a token boundary
+
+
+def test_an_encoder_is_scored_by_pseudo_likelihood(tiny, texts, manager, tmp_path):
+    """A saved masked LM through the lm-eval route: word perplexity from the pseudo-log-likelihood."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    from hf_attnscale.evaluation.mlm import masked_one_at_a_time
+
+    _, tokenizer = tiny
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.add_special_tokens({"mask_token": "<mask>"})
+    torch.manual_seed(0)
+    bert = BertForMaskedLM(
+        BertConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            initializer_range=0.2,
+        )
+    )
+    hfa.patch(bert, scale="logn", train_length=8)
+    bert.save_pretrained(tmp_path / "bert")
+    tokenizer.save_pretrained(tmp_path / "bert")
+    lm = HFAttnScaleLM(pretrained=str(tmp_path / "bert"), max_length=MAX_LENGTH, device="cpu")
+    assert lm.masked and hfa.get_config(lm.model).scale == "logn"  # loaded with its saved patch
+    metrics = evaluate(lm, manager)
+    total, word_count = 0.0, 0
+    for text in texts:
+        ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
+        for start in range(0, ids.numel(), MAX_LENGTH):  # written out: every token masked alone
+            piece = ids[start : start + MAX_LENGTH]
+            for position in range(piece.numel()):
+                nll, _ = masked_one_at_a_time(lm.model, [piece], [position], tokenizer.mask_token_id)
+                total += nll.item()
+        word_count += words(text)
+    assert metrics["word_perplexity,none"] == pytest.approx(math.exp(total / word_count), rel=1e-4)
+    with pytest.raises(ValueError, match="this model is a masked LM"):
+        HFAttnScaleLM(pretrained=str(tmp_path / "bert"), window=16)
