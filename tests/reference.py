@@ -32,9 +32,28 @@ def law(
 
 
 def reference_attention(
-    q, k, v, visible, scaling, *, scale="none", train_length=None, clamp=False, slope=None, sink=None
+    q,
+    k,
+    v,
+    visible,
+    scaling,
+    *,
+    scale="none",
+    train_length=None,
+    clamp=False,
+    slope=None,
+    sink=None,
+    with_weights=False,
+    softcap=None,
+    model_sinks=None,
 ):
-    """q (B,H,Tq,D), k/v (B,Hkv,Tk,D), visible bool broadcastable to (B,H,Tq,Tk). Returns (B,H,Tq,D)."""
+    """q (B,H,Tq,D), k/v (B,Hkv,Tk,D), visible bool broadcastable to (B,H,Tq,Tk). Returns (B,H,Tq,D), and with
+    ``with_weights`` also the attention weights over the keys (B,H,Tq,Tk), the exit column dropped.
+
+    The order of a family's eager attention, with the patch: logits x scaling x law(n), then the family's
+    logit soft-capping (``softcap``), then the mask; then the model's own sink logits (gpt-oss, ``model_sinks``)
+    and the patch's exit, neither scaled nor capped, each a column whose value is zero.
+    """
     heads = q.shape[1]
     k = k.repeat_interleave(heads // k.shape[1], dim=1)
     v = v.repeat_interleave(heads // v.shape[1], dim=1)
@@ -43,16 +62,20 @@ def reference_attention(
     if scale != "none":
         n = visible.float().sum(-1)
         scores = scores * law(scale, n, train_length, clamp, slope).unsqueeze(-1)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~visible, -math.inf)
     values = v.float()
-    if sink is not None:
-        column = sink.float().view(1, -1, 1, 1).expand(q.shape[0], heads, q.shape[2], 1)
-        scores = torch.cat([scores, column], dim=-1)
-        values = torch.cat([values, torch.zeros_like(values[:, :, :1])], dim=2)
+    for column_logits in (model_sinks, sink):
+        if column_logits is not None:
+            column = column_logits.float().view(1, -1, 1, 1).expand(q.shape[0], heads, q.shape[2], 1)
+            scores = torch.cat([scores, column], dim=-1)
+            values = torch.cat([values, torch.zeros_like(values[:, :, :1])], dim=2)
     probs = torch.softmax(scores, dim=-1).nan_to_num(
         0.0
     )  # a fully masked row without an exit attends nowhere
-    return torch.matmul(probs, values).to(q.dtype)
+    out = torch.matmul(probs, values).to(q.dtype)
+    return (out, probs[..., : k.shape[2]].to(q.dtype)) if with_weights else out
 
 
 class ReferencePatch:
@@ -68,7 +91,11 @@ class ReferencePatch:
         heads=4,
         sink_init=0.0,
         slope_init=None,
+        apply_softcap=True,
     ):
+        self.apply_softcap = (
+            apply_softcap  # eager caps the logits; sdpa ignores the cap, and so must its reference
+        )
         self.scale, self.train_length = scale, train_length
         self.clamp = (scale != "ssmax") if clamp is None else clamp
         self.slope = torch.nn.Parameter(torch.full((heads,), slope_init or 1 / math.log(train_length or 2)))
@@ -96,7 +123,7 @@ def reference_forward(module, query, key, value, attention_mask, scaling=None, d
         visible = visible.view(1, 1, q_len, k_len)
     else:
         visible = attention_mask[..., :k_len] > torch.finfo(attention_mask.dtype).min / 2
-    out = reference_attention(
+    out, weights = reference_attention(
         query,
         key,
         value,
@@ -107,12 +134,24 @@ def reference_forward(module, query, key, value, attention_mask, scaling=None, d
         clamp=ref.clamp,
         slope=ref.slope,
         sink=ref.sink,
+        with_weights=True,
+        softcap=kwargs.get("softcap") if ref.apply_softcap else None,
+        model_sinks=kwargs.get("s_aux"),
     )
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous(), weights
 
 
 AttentionInterface.register(REF_NAME, reference_forward)
 AttentionMaskInterface.register(REF_NAME, eager_mask)
+
+
+def _query_heads(module, config) -> int:
+    for source in (module, getattr(module, "config", None), config):
+        for name in ("num_heads", "num_attention_heads", "n_heads", "n_head"):
+            value = getattr(source, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    raise ValueError(f"no head count on {type(module).__name__}")
 
 
 def make_reference(model, attention_classes, **patch_kwargs):
@@ -121,6 +160,6 @@ def make_reference(model, attention_classes, **patch_kwargs):
     refs = []
     for module in model.modules():
         if type(module).__name__ in attention_classes:
-            module.hfa_ref = ReferencePatch(heads=model.config.num_attention_heads, **patch_kwargs)
+            module.hfa_ref = ReferencePatch(heads=_query_heads(module, model.config), **patch_kwargs)
             refs.append(module.hfa_ref)
     return refs

@@ -47,11 +47,14 @@ def load_documents(data: str, text_field: str = "text") -> list[Document]:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{number} is not valid JSON ({err.msg}).") from err
-            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+            if not isinstance(record, dict) or text_field not in record:
                 keys = sorted(record) if isinstance(record, dict) else type(record).__name__
                 raise ValueError(
-                    f"{path}:{number} has no string field {text_field!r} (found {keys}); pick the field "
-                    "with --text-field."
+                    f"{path}:{number} has no string field {text_field!r} (found {keys}); pick the field with --text-field."
+                )
+            if not isinstance(record[text_field], str):
+                raise ValueError(
+                    f"{path}:{number}: field {text_field!r} holds {type(record[text_field]).__name__}, not a string."
                 )
             documents.append(Document(f"{path.name}:{number}", record[text_field]))
     if not documents:
