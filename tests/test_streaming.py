@@ -78,8 +78,15 @@ def _rms(x, norm):
     return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
 
 
-def _manual_stream_logits(model, ids: torch.Tensor, sinks: int, window: int) -> torch.Tensor:
-    """A Llama streamed token by token with list caches of pre-RoPE keys: logits (T, V) of one row."""
+def _manual_stream_logits(
+    model, ids: torch.Tensor, sinks: int, window: int, *, evict_after: bool = False
+) -> torch.Tensor:
+    """A Llama streamed token by token with list caches of pre-RoPE keys: logits (T, V) of one row.
+
+    By default the cache holds ``sinks + window`` tokens, the new one included. With ``evict_after`` it is
+    mit-han-lab's StartRecentKVCache(start_size=sinks, recent_size=window) instead: the cache holds at most
+    ``sinks + window`` earlier tokens, the new token is added for its own step, and eviction comes after.
+    """
     config = model.config
     theta = config.rope_parameters["rope_theta"]
     layers = model.model.layers
@@ -92,7 +99,7 @@ def _manual_stream_logits(model, ids: torch.Tensor, sinks: int, window: int) -> 
             q, k, v = _pre_rope_qkv(attn, _rms(x, layer.input_layernorm))
             keys.append(k)
             values.append(v)
-            if len(keys) > sinks + window:  # evict the oldest token that is not a sink
+            if not evict_after and len(keys) > sinks + window:  # evict the oldest token that is not a sink
                 del keys[sinks], values[sinks]
             n = len(keys)
             rotated = _rope(torch.cat(keys, 2), torch.arange(n), theta, attn.head_dim)
@@ -102,6 +109,8 @@ def _manual_stream_logits(model, ids: torch.Tensor, sinks: int, window: int) -> 
             out = torch.softmax(scores, -1) @ torch.cat(values, 2).repeat_interleave(groups, 1)
             x = x + attn.o_proj(out.transpose(1, 2).reshape(1, 1, -1))
             x = x + layer.mlp(_rms(x, layer.post_attention_layernorm))
+            if evict_after and len(keys) > sinks + window:
+                del keys[sinks], values[sinks]
         logits.append(model.lm_head(_rms(x, model.model.norm))[0, 0])
     return torch.stack(logits)
 
@@ -197,6 +206,23 @@ def test_model_stream_matches_manual_reference(sinks, chunks):
         ref = _manual_stream_logits(model, ids[0], sinks, 6)
         out = _stream(model, ids, hfa.SinkCache(sinks, 6), chunks)[0]
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("chunks", [[1], [9], [2, 1, 13]], ids=["token", "chunk9", "mixed"])
+def test_anchor_semantics_from_start_recent(chunks):
+    """StreamingLLM's own terms: each query sees start_size + recent_size earlier tokens, and itself."""
+    start, recent = 2, 5
+    model = hfa.patch(tiny("llama"))
+    ids = torch.randint(2, VOCAB, (1, 50))
+    cache = hfa.SinkCache.from_start_recent(start, recent)
+    assert (cache.sink_tokens, cache.window, cache.capacity) == (2, 6, 8)
+    with torch.no_grad():
+        ref = _manual_stream_logits(model, ids[0], start, recent, evict_after=True)
+        out = _stream(model, ids, cache, chunks)[0]
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+    with torch.no_grad():  # the other reading (the query inside the window) differs once eviction starts
+        other = _manual_stream_logits(model, ids[0], start, recent)
+    assert (other[start + recent + 1 :] - ref[start + recent + 1 :]).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
