@@ -46,29 +46,36 @@ def reference_attention(
     with_weights=False,
     softcap=None,
     model_sinks=None,
+    bias=None,
 ):
     """q (B,H,Tq,D), k/v (B,Hkv,Tk,D), visible bool broadcastable to (B,H,Tq,Tk). Returns (B,H,Tq,D), and with
     ``with_weights`` also the attention weights over the keys (B,H,Tq,Tk), the exit column dropped.
 
     The order of a family's eager attention, with the patch: logits x scaling x law(n), then the family's
     logit soft-capping (``softcap``), then the mask; then the model's own sink logits (gpt-oss, ``model_sinks``)
-    and the patch's exit, neither scaled nor capped, each a column whose value is zero.
+    and the patch's exit, neither scaled nor capped, each a column whose value is zero. ``bias`` (a family's
+    relative position bias, or the finite values of an additive mask) is added after the cap, unscaled.
     """
     heads = q.shape[1]
     k = k.repeat_interleave(heads // k.shape[1], dim=1)
     v = v.repeat_interleave(heads // v.shape[1], dim=1)
     visible = visible.expand(q.shape[0], heads, q.shape[2], k.shape[2])
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scaling
+    exact = torch.promote_types(q.dtype, torch.float32)  # at least fp32; fp64 models stay fp64
+    scores = torch.matmul(q.to(exact), k.to(exact).transpose(-1, -2)) * scaling
     if scale != "none":
-        n = visible.float().sum(-1)
+        n = visible.to(exact).sum(-1)
         scores = scores * law(scale, n, train_length, clamp, slope).unsqueeze(-1)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        scores = scores + bias.to(exact)
     scores = scores.masked_fill(~visible, -math.inf)
-    values = v.float()
+    values = v.to(exact)
     for column_logits in (model_sinks, sink):
         if column_logits is not None:
-            column = column_logits.float().view(1, -1, 1, 1).expand(q.shape[0], heads, q.shape[2], 1)
+            # a logit per head (gpt-oss, the patch), or per batch, head and query (Inkling-2's (B,H,Tq,1))
+            shape = (1, -1, 1, 1) if column_logits.dim() == 1 else column_logits.shape
+            column = column_logits.to(exact).reshape(shape).expand(q.shape[0], heads, q.shape[2], 1)
             scores = torch.cat([scores, column], dim=-1)
             values = torch.cat([values, torch.zeros_like(values[:, :, :1])], dim=2)
     probs = torch.softmax(scores, dim=-1).nan_to_num(
@@ -121,8 +128,15 @@ def reference_forward(module, query, key, value, attention_mask, scaling=None, d
             else torch.ones(q_len, k_len, dtype=torch.bool)
         )
         visible = visible.view(1, 1, q_len, k_len)
+        bias = None
+    elif attention_mask.dtype == torch.bool:
+        visible, bias = attention_mask[..., :k_len], None
     else:
-        visible = attention_mask[..., :k_len] > torch.finfo(attention_mask.dtype).min / 2
+        mask = attention_mask[..., :k_len]
+        visible = mask > torch.finfo(mask.dtype).min / 2
+        bias = mask.masked_fill(~visible, 0.0)  # a family's float mask may carry values (Doge's dynamic mask)
+    if kwargs.get("position_bias") is not None:
+        bias = kwargs["position_bias"] if bias is None else bias + kwargs["position_bias"]
     out, weights = reference_attention(
         query,
         key,
@@ -136,7 +150,8 @@ def reference_forward(module, query, key, value, attention_mask, scaling=None, d
         sink=ref.sink,
         with_weights=True,
         softcap=kwargs.get("softcap") if ref.apply_softcap else None,
-        model_sinks=kwargs.get("s_aux"),
+        model_sinks=kwargs["s_aux"] if kwargs.get("s_aux") is not None else kwargs.get("sinks"),
+        bias=bias,
     )
     return out.transpose(1, 2).contiguous(), weights
 

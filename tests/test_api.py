@@ -82,7 +82,7 @@ def test_failed_patch_leaves_model_untouched(monkeypatch):
 def test_config_is_saved_in_model_config():
     model = tiny_model("llama")
     hfa.patch(model, scale="logn", train_length=4096, zero_kv=True)
-    saved = model.config.to_dict()["attn_scale"]
+    saved = model.config.to_dict()["hf_attnscale"]
     assert saved == {
         "scale": "logn",
         "train_length": 4096,
@@ -159,6 +159,20 @@ def test_fused_cpu_exit_matches_reference_with_gqa(sink, causal):
     want.backward(grad)
     for mine, theirs in zip((q, k, v, sinks), leaves):
         torch.testing.assert_close(mine.grad, theirs.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_fused_cpu_exit_with_transposed_keys_and_a_per_head_float_mask():
+    """Keys and values whose head dimension is not contiguous (Inkling's), with a per-head additive bias."""
+    torch.manual_seed(3)
+    q = torch.randn(2, 6, 4, 8).transpose(1, 2) * 2
+    k, v = (torch.randn(2, 2, 8, 6).transpose(-1, -2) for _ in range(2))  # stride(-1) != 1
+    visible = torch.ones(6, 6, dtype=torch.bool).tril().view(1, 1, 6, 6)
+    bias = torch.randn(2, 4, 6, 6)
+    mask = bias.masked_fill(~visible, torch.finfo(torch.float32).min)
+    sinks = torch.full((4,), 1.5)
+    got = fused_sink_attention_cpu(q, k, v, mask, sinks, True, 0.3)
+    want = reference_attention(q, k, v, visible, 0.3, sink=sinks, bias=bias.masked_fill(~visible, 0.0))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

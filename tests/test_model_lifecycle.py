@@ -105,7 +105,7 @@ def test_one_answer_whichever_object_is_passed(wrap, tmp_path):
     loaded = hfa.from_pretrained(type(model), tmp_path)
     assert hfa.get_config(loaded) == hfa.get_config(model)
     hfa.unpatch(target)
-    assert hfa.get_config(model) is None and not hasattr(model.config, "attn_scale")
+    assert hfa.get_config(model) is None and not hasattr(model.config, "hf_attnscale")
 
 
 def test_round_trip_keeps_learned_values_and_loads_quietly(tmp_path, caplog):

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from transformers.integrations.sdpa_attention import create_position_bias_mask
 
 from .kernels import fused_sink_attention_cpu
 from .laws import query_multiplier
@@ -64,6 +65,10 @@ def scaled_attention(
     if inner.startswith("flash") or inner == "flex_attention":
         # These backends implement learnable sinks natively (gpt-oss's `s_aux`).
         return fn(module, query, key, value, attention_mask, s_aux=sink, **kwargs)
+    if kwargs.get("position_bias") is not None:  # a relative position bias (Inkling): fold it into the mask
+        attention_mask = create_position_bias_mask(
+            kwargs.pop("position_bias"), attention_mask, causal, query, key
+        )
     dropout = kwargs.get("dropout", 0.0)
     if inner == "sdpa" and query.device.type == "cpu" and dropout == 0.0 and key.shape[-1] == value.shape[-1]:
         out = fused_sink_attention_cpu(query, key, value, attention_mask, sink, causal, kwargs.get("scaling"))
@@ -176,9 +181,10 @@ def _extra_key_attention(fn, module, query, key, value, mask, sink, causal, **kw
         body = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, neg)
     else:
         body = mask[..., :k_len].to(dtype)
-    # One shared column when every head has the same constant exit logit; learnable sinks need their own.
+    # One shared column when every head has the same constant exit logit and the mask is shared by the heads;
+    # learnable sinks, and masks with a head dimension (Doge's), need a column per head.
     uniform = not sink.requires_grad and bool((sink == sink[0]).all())
-    heads = 1 if uniform else num_heads
+    heads = 1 if uniform and body.shape[1] == 1 else num_heads
     body = body.expand(body.shape[0], heads, q_len, k_len)
     column = sink.to(dtype).view(1, -1, 1, 1)[:, :heads].expand(body.shape[0], heads, q_len, 1)
     out, weights = fn(module, query, key, value, torch.cat([column, body], dim=-1), **kwargs)

@@ -8,8 +8,11 @@ from typing import Any, Literal, get_args
 
 from hf_attnscale.validation import check_int
 
-CONFIG_KEY = "attn_scale"
+CONFIG_KEY = "hf_attnscale"
 """Attribute of `model.config` that holds the patch, so `save_pretrained` writes it to config.json."""
+LEGACY_CONFIG_KEY = "attn_scale"
+"""Where earlier versions saved the patch. Read only when it holds a dict: Llama-4's own config has an
+``attn_scale`` float (its attention temperature), which is not a patch."""
 
 ScaleName = Literal["none", "logn", "ssmax", "gradmax"]
 SCALES: tuple[str, ...] = get_args(ScaleName)
@@ -121,4 +124,6 @@ class AttnScaleConfig:
 def read_saved_config(model_config: Any) -> AttnScaleConfig | None:
     """The `AttnScaleConfig` stored in a transformers config (e.g. after `from_pretrained`), if any."""
     data = getattr(model_config, CONFIG_KEY, None)
+    if data is None and isinstance(getattr(model_config, LEGACY_CONFIG_KEY, None), dict):
+        data = getattr(model_config, LEGACY_CONFIG_KEY)
     return None if data is None else AttnScaleConfig.from_dict(dict(data))

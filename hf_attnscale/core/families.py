@@ -35,17 +35,35 @@ class Rule:
         attention_classes: class names to patch, for modules that bypass the AttentionInterface.
         forward: replacement forward for those modules (they compute their scores inline).
         no_exit: why the exit (zero_kv / sink logit) is refused for this family, if it is.
+        no_streaming: why a `SinkCache` is refused for this family, if it is.
     """
 
     attention_classes: tuple[str, ...] = ()
     forward: Callable[..., tuple] | None = None
     no_exit: str | None = None
+    no_streaming: str | None = None
 
 
 RULES: dict[str, Rule] = {
     "roformer": Rule(("RoFormerSelfAttention",), forward=roformer_self_attention_forward),
     "gpt_oss": Rule(
-        no_exit="gpt-oss has learned attention sinks of its own (s_aux); a second exit is refused"
+        no_exit="gpt-oss has learned attention sinks of its own (s_aux); a second exit is refused",
+        no_streaming="gpt-oss interleaves its RoPE halves (cos/sin of half the head), which pos-shift does not "
+        "re-place",
+    ),
+    "beam": Rule(
+        no_streaming="Beam's NoPE layers scale attention by absolute position, with no RoPE to re-place"
+    ),
+    "doge": Rule(no_streaming="Doge builds a dynamic mask from all its cached values, which a window evicts"),
+    "jetmoe": Rule(no_streaming="JetMoE's mixture-of-attention routes keys through experts of its own"),
+    "zaya": Rule(no_streaming="ZAYA's attention takes a dict of masks and a convolution state of its own"),
+    "falcon_h1": Rule(
+        no_streaming="Falcon-H1 runs a state-space mixer beside every attention layer, whose state a "
+        "SinkCache does not hold"
+    ),
+    "inkling2_text": Rule(
+        no_exit="Inkling-2 has attention sinks of its own (a sink logit per query and head); a second exit is "
+        "refused"
     ),
 }
 

@@ -64,6 +64,9 @@ def fused_sink_attention_cpu(
         if mask.dtype == torch.bool:
             mask = torch.zeros(mask.shape, dtype=query.dtype).masked_fill_(~mask, -math.inf)
         mask = mask.to(query.dtype)
+    # The kernel reads the head dimension as contiguous: a tensor whose last stride is not 1 (Inkling's keys are
+    # a transposed view) gives wrong results silently, so those are copied.
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     # The kernel takes the projections' strided (B, T, H, D) layout as is and returns that layout, so the
     # caller's transpose back to (B, T, H, D) copies nothing.

@@ -17,6 +17,17 @@ from torch import nn
 ATTENTION_STEP = "attention_step"
 
 
+def cache_argument(module: nn.Module) -> str:
+    """The name under which ``module``'s forward takes the cache: ``past_key_values``, or GPT-NeoX's
+    ``layer_past``."""
+    parameters = inspect.signature(type(module).forward).parameters
+    return (
+        "layer_past"
+        if "layer_past" in parameters and "past_key_values" not in parameters
+        else "past_key_values"
+    )
+
+
 def cache_routed_forward(self: nn.Module, *args, **kwargs):
     """Per-instance forward: the class's own, or ``past_key_values.attention_step(self, **arguments)``."""
     if args[1:]:  # positional call: find the arguments by name
@@ -24,9 +35,11 @@ def cache_routed_forward(self: nn.Module, *args, **kwargs):
         bound.arguments.pop("self")
         extra = bound.arguments.pop("kwargs", {})
         args, kwargs = (), {**bound.arguments, **extra}
-    step = getattr(kwargs.get("past_key_values"), ATTENTION_STEP, None)
+    name = cache_argument(self)
+    step = getattr(kwargs.get(name), ATTENTION_STEP, None)
     if step is None:
         return type(self).forward(self, *args, **kwargs)
     if args:
         kwargs["hidden_states"] = args[0]
+    kwargs["past_key_values"] = kwargs.pop(name)
     return step(self, **kwargs)

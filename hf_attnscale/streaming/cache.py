@@ -16,6 +16,7 @@ from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hf_attnscale.core.patching import ROTARY_ATTR
+from hf_attnscale.core.routing import cache_argument
 from hf_attnscale.core.state import AttnScaleState, state_of
 from hf_attnscale.validation import check_int
 
@@ -27,8 +28,10 @@ from .pos_shift import (
     layer_rotates,
     new_token_validity,
     no_rotation,
+    per_token_slice,
+    streaming_refusal,
 )
-from .rope import RopeFn, RopeTable, rotate_keys, rotate_queries
+from .rope import RopeFn, RopeTable, first_dims_rope, pair_rope, rotate_keys, rotate_queries
 
 DEFAULT_SINK_TOKENS = 4
 """StreamingLLM's number of attention sinks, the default wherever a sink count is taken."""
@@ -301,7 +304,11 @@ class SinkCache(Cache):
         state = state_of(module)
         if state is None or module.__dict__.get(ROTARY_ATTR) is None:
             raise ValueError(UNPATCHED_MESSAGE)
-        check_backend(module.config.model_config._attn_implementation)
+        model_config = module.config.model_config
+        check_backend(model_config._attn_implementation)
+        reason = streaming_refusal(model_config)
+        if reason:
+            raise ValueError(reason)
         check_sliding_window(module, self.window)
         batch, q_len = hidden_states.shape[:2]
         new_valid = new_token_validity(attention_mask, batch, q_len, hidden_states.device)
@@ -314,11 +321,19 @@ class SinkCache(Cache):
         table = self.rope_table(rotary, layer_type, hidden_states)
         if position_embeddings is None:
             position_embeddings = table(torch.zeros(1, q_len, dtype=torch.long, device=hidden_states.device))
+        if not (isinstance(position_embeddings, tuple) and len(position_embeddings) == 2):
+            raise ValueError(
+                f"SinkCache cannot stream {type(module).__name__}: its RoPE is not a (cos, sin) pair (complex "
+                "frequencies, as in Llama-4 and DeepSeek-V2), so pos-shift cannot re-place its keys."
+            )
         cos, sin = position_embeddings
         # RoPE as the identity, in the real cos/sin shapes (Phi-3 rotates only part of the head).
         identity = (torch.ones_like(cos), torch.zeros_like(sin))
-        rotates = layer_rotates(module, hidden_states, position_embeddings, identity)
-        rope = sys.modules[type(module).__module__].apply_rotary_pos_emb if rotates else no_rotation
+        rotates = layer_rotates(module, hidden_states, position_embeddings, identity, **kwargs)
+        rope = (
+            pair_rope(sys.modules[type(module).__module__].apply_rotary_pos_emb) if rotates else no_rotation
+        )
+        rope = first_dims_rope(rope, cos.shape[-1])
         outputs, weights = [], None
         for start in range(0, q_len, PIECE_TOKENS):
             # A long prompt: this layer's queries in pieces, each reading the cache the previous piece left.
@@ -327,7 +342,14 @@ class SinkCache(Cache):
             part = tuple(x[:, piece] if x.shape[-2] == q_len else x for x in identity)
             plan = self.plan(module.layer_idx, new_valid[:, piece], hidden_states.dtype, new_call=start == 0)
             out, weights = self._run_piece(
-                module, state, hidden_states[:, piece], part, plan, rope, table, kwargs
+                module,
+                state,
+                hidden_states[:, piece],
+                part,
+                plan,
+                rope,
+                table,
+                per_token_slice(kwargs, q_len, piece),
             )
             outputs.append(out)
         return (outputs[0], weights) if len(outputs) == 1 else (torch.cat(outputs, dim=1), None)
@@ -351,7 +373,8 @@ class SinkCache(Cache):
             state.query_hook = lambda q: torch.cat(
                 [rotate_queries(rope, q, turns["new"]), rotate_queries(rope, q, turns["mid"])], dim=-1
             )
-            state.output_hook = lambda out: out[..., : out.shape[-1] // 2]  # values were zero-padded to 2D
+            # values were zero-padded to 2D; contiguous, as some families .view() the output
+            state.output_hook = lambda out: out[..., : out.shape[-1] // 2].contiguous()
         else:
             state.query_hook = lambda q: rotate_queries(rope, q, turns["new"])
         try:
@@ -360,7 +383,7 @@ class SinkCache(Cache):
                 hidden_states=hidden_states,
                 position_embeddings=identity,
                 attention_mask=plan.mask,
-                past_key_values=self,
+                **{cache_argument(module): self},
                 **kwargs,
             )
         finally:

@@ -14,9 +14,10 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from hf_attnscale.core.families import attention_modules, takes_position_embeddings
+from hf_attnscale.core.families import RULES, Rule, attention_modules, takes_position_embeddings
 from hf_attnscale.core.models import unwrap
 from hf_attnscale.core.patching import ROTARY_ATTR
+from hf_attnscale.core.routing import cache_argument
 from hf_attnscale.core.state import get_config
 
 STREAMING_BACKENDS = ("eager", "sdpa")
@@ -41,12 +42,36 @@ def check_streaming_model(model: nn.Module) -> None:
             f"SinkCache needs a RoPE decoder; {type(root).__name__} (model_type "
             f"{root.config.model_type!r}) is {what}."
         )
+    reason = streaming_refusal(root.config)
+    if reason:
+        raise ValueError(reason)
+    layers = getattr(
+        getattr(root.config, "get_text_config", lambda: root.config)(), "num_hidden_layers", None
+    )
+    if isinstance(layers, int) and len(modules) < layers:
+        raise ValueError(
+            f"SinkCache cannot stream this {type(root).__name__} (model_type {root.config.model_type!r}): only "
+            f"{len(modules)} of its {layers} layers are attention; the others (recurrent, linear attention or "
+            "state-space layers) keep a state of their own that a SinkCache does not hold."
+        )
     if any(m.__dict__.get(ROTARY_ATTR) is None for m in modules):
         raise ValueError(
             f"SinkCache cannot find the one rotary embedding module of this {type(root).__name__} "
             "(none, or several to choose between), so it cannot place keys inside the cache."
         )
     check_backend(root.config._attn_implementation)
+
+
+def streaming_refusal(model_config) -> str | None:
+    """Why a `SinkCache` cannot serve this model family (from its config alone), or None."""
+    model_type = getattr(model_config, "model_type", None)
+    reason = RULES.get(model_type, Rule()).no_streaming
+    if reason is None and getattr(model_config, "kv_lora_rank", None) is not None:
+        reason = (
+            "its multi-head latent attention builds keys from a rotated and an unrotated part computed apart, "
+            "which pos-shift cannot re-place inside the cache"
+        )
+    return None if reason is None else f"SinkCache cannot stream model_type {model_type!r}: {reason}."
 
 
 def check_backend(attn_implementation: str | None) -> None:
@@ -67,7 +92,7 @@ def check_sliding_window(module: nn.Module, window: int) -> None:
         if hasattr(module, "sliding_window")
         else getattr(module.config, "sliding_window", None)
     )
-    if own is not None and own < window:
+    if own and own < window:  # 0 or None: no window of its own (Qwen2-MoE keeps 0 on full layers)
         raise ValueError(
             f"This model's layer {module.layer_idx} uses sliding-window attention over {own} tokens, fewer than "
             f"the SinkCache window ({window}); its queries would see keys it never saw in training. "
@@ -80,7 +105,7 @@ def no_rotation(q, k, cos, sin, *args, **kwargs):
     return q, k
 
 
-def layer_rotates(module: nn.Module, hidden_states, position_embeddings, identity) -> bool:
+def layer_rotates(module: nn.Module, hidden_states, position_embeddings, identity, **extra) -> bool:
     """Whether this layer applies RoPE at all, found once by running it with and without a rotation.
 
     Some families skip RoPE on some layers (NoPE); rotating their keys in the cache would be wrong. The keys
@@ -88,6 +113,7 @@ def layer_rotates(module: nn.Module, hidden_states, position_embeddings, identit
     """
     if ROTATES_ATTR not in module.__dict__:
         probe = hidden_states[:1, :2].detach()
+        extra = per_token_slice(extra, hidden_states.shape[1], slice(0, 2), batch=slice(0, 1))
         cos, sin = position_embeddings
         turned = (cos[:1, -1:].expand(1, probe.shape[1], -1), sin[:1, -1:].expand(1, probe.shape[1], -1))
         turned = turned if bool((turned[1] != 0).any()) else _some_rotation(turned)
@@ -103,11 +129,23 @@ def layer_rotates(module: nn.Module, hidden_states, position_embeddings, identit
                     hidden_states=probe,
                     position_embeddings=embeddings,
                     attention_mask=None,
-                    past_key_values=recorder,
+                    **{cache_argument(module): recorder},
+                    **extra,
                 )
             keys.append(recorder.layers[module.layer_idx].keys)
         module.__dict__[ROTATES_ATTR] = not torch.equal(keys[0], keys[1])
     return module.__dict__[ROTATES_ATTR]
+
+
+def per_token_slice(kwargs: dict, q_len: int, tokens: slice, batch: slice = slice(None)) -> dict:
+    """``kwargs`` with each per-token tensor (last dim ``q_len``: Ministral-3's ``position_ids``) cut to
+    ``tokens``, for a call on part of the chunk."""
+    return {
+        name: value[batch, ..., tokens]
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[-1] == q_len
+        else value
+        for name, value in kwargs.items()
+    }
 
 
 def _some_rotation(cos_sin):

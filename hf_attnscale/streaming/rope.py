@@ -9,7 +9,9 @@ they are shown to give its output, so positions of any size keep full precision.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -80,6 +82,28 @@ class RopeTable:
 
 RopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 """A family's ``apply_rotary_pos_emb(q, k, cos, sin)``."""
+
+
+def pair_rope(rope: Callable[..., Any]) -> RopeFn:
+    """The family's RoPE as a ``(q, k, cos, sin)`` function; Gemma-3n/4 rotate one tensor, ``(x, cos, sin)``."""
+    first = next(iter(inspect.signature(rope).parameters))
+    if first != "x":
+        return rope
+    return lambda q, k, cos, sin: (rope(q, cos, sin), rope(k, cos, sin))
+
+
+def first_dims_rope(rope: RopeFn, width: int) -> RopeFn:
+    """``rope`` applied to the first ``width`` dims of each head, the rest passed through: partial rotary as
+    Phi, Persimmon, StableLM and GPT-NeoX lay it out (their ``apply_rotary_pos_emb`` rotates whole tensors
+    and their attention slices the rotary part off first)."""
+
+    def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        if q.shape[-1] == width and k.shape[-1] == width:
+            return rope(q, k, cos, sin)
+        q_rot, k_rot = rope(q[..., :width], k[..., :width], cos, sin)
+        return torch.cat([q_rot, q[..., width:]], dim=-1), torch.cat([k_rot, k[..., width:]], dim=-1)
+
+    return apply
 
 
 def rotate_keys(rope: RopeFn, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

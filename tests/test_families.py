@@ -1,0 +1,84 @@
+"""Every text model type of the installed transformers that routes attention through the AttentionInterface:
+a tiny model of each (tests/model_zoo.py), patched with logn, with the exit and with both, against the plain
+eager reference of tests/reference.py, on eager and on sdpa.
+
+The rule for which types are here: `hfa.supported_model_types()` (text decoders and encoders with a causal- or
+masked-LM head, not encoder-decoders nor multimodal wrappers, whose attention calls the interface), minus
+`model_zoo.SKIPPED` (each with its reason). `scripts/support_matrix.py` turns these results into the README's
+support matrix.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from model_zoo import EAGER_ONLY, LOGIT_TOLERANCE, family_types, head_of, tiny_model
+from reference import make_reference
+
+import hf_attnscale as hfa
+from hf_attnscale.core.families import attention_modules, rule_for
+
+TYPES = family_types()
+FEATURES = {
+    "logn": {"scale": "logn", "train_length": 2},
+    "exit": {"sink_logit": 1.5},
+    "logn+exit": {"scale": "logn", "train_length": 2, "zero_kv": True},
+}
+CASES = [
+    (model_type, attn, feature)
+    for model_type in TYPES
+    for attn in (("eager",) if model_type in EAGER_ONLY else ("eager", "sdpa"))
+    for feature in FEATURES
+]
+
+
+def inputs_for(model_type: str) -> dict:
+    """A batch of two rows, the second padded (left for decoders, right for encoders)."""
+    ids = torch.randint(3, 120, (2, 12), generator=torch.Generator().manual_seed(11))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    if head_of(model_type) == "causal":
+        mask[1, :2] = 0
+    else:
+        mask[1, 10:] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@functools.cache
+def _built(model_type: str, attn: str):
+    model = tiny_model(model_type, attn)
+    with torch.no_grad():
+        return model, model(**inputs_for(model_type)).logits
+
+
+def test_at_least_sixty_text_model_types_are_supported_and_tested():
+    assert len(TYPES) >= 60, f"only {len(TYPES)} types are exercised"
+
+
+@pytest.mark.parametrize(("model_type", "attn", "feature"), CASES)
+def test_family_matches_the_reference(model_type, attn, feature):
+    plain, baseline = _built(model_type, attn)
+    options = FEATURES[feature]
+    if "exit" in feature and rule_for(plain).no_exit:
+        with pytest.raises(ValueError, match="zero_kv / sink_logit"):
+            hfa.patch(copy.deepcopy(plain), **options)
+        return
+    patched = hfa.patch(copy.deepcopy(plain), **options)
+    reference = copy.deepcopy(plain)
+    make_reference(
+        reference,
+        {type(m).__name__ for m in attention_modules(reference)},
+        apply_softcap=attn == "eager",
+        **options,
+    )
+    inputs = inputs_for(model_type)
+    rows = inputs["attention_mask"].bool()
+    with torch.no_grad():
+        got, want = patched(**inputs).logits, reference(**inputs).logits
+    # Logits after two sharp layers (MoE routing, logit scaling): fp32 rounding compounds to ~5e-5 here;
+    # a wrong law, mask or exit moves them by 1e-2 or more. Attention outputs alone are held to 1e-5 in test_core.
+    tolerance = LOGIT_TOLERANCE.get(model_type, 1e-4)
+    torch.testing.assert_close(got[rows], want[rows], atol=tolerance, rtol=tolerance)
+    assert (got[rows] - baseline[rows]).abs().max() > 1e-5, "the patch changed nothing"

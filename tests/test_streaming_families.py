@@ -1,0 +1,81 @@
+"""StreamingLLM on every supported RoPE decoder (tests/model_zoo.py), with sharp weights so that every position
+error shows: without eviction the stream equals the model's own dense forward; with eviction, chunked equals
+token by token, and generate() follows the greedy tokens of the token-by-token stream. A decoder streaming
+cannot serve must say so (and then every family whose attention takes RoPE embeddings is listed here).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_zoo import EAGER_ONLY, family_types, head_of, tiny_model
+
+import hf_attnscale as hfa
+from hf_attnscale.core.families import attention_modules, takes_position_embeddings
+from hf_attnscale.streaming.pos_shift import check_streaming_model
+
+DECODERS = [t for t in family_types() if head_of(t) == "causal"]
+
+
+def _rope_decoder(model_type: str):
+    model = tiny_model(model_type, "eager" if model_type in EAGER_ONLY else "sdpa")
+    return model if all(takes_position_embeddings(m) for m in attention_modules(model)) else None
+
+
+def _stream(model, ids, cache, chunk: int) -> torch.Tensor:
+    out = []
+    with torch.no_grad():
+        for start in range(0, ids.shape[1], chunk):
+            out.append(model(input_ids=ids[:, start : start + chunk], past_key_values=cache).logits)
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("model_type", DECODERS)
+def test_streaming_every_rope_decoder(model_type):
+    model = _rope_decoder(model_type)
+    if model is None:
+        pytest.skip("not a RoPE decoder: its attention takes no position_embeddings")
+    model = hfa.patch(model)
+    ids = torch.randint(3, 120, (1, 40), generator=torch.Generator().manual_seed(2))
+    try:
+        check_streaming_model(model)
+        _stream(model, ids[:, :4], hfa.SinkCache(2, 6), 4)
+    except ValueError as err:  # refused: it must say why
+        assert "SinkCache" in str(err), err
+        pytest.skip(f"streaming refused: {err}")
+    model.generation_config.eos_token_id = None  # generate() must not stop early at a random EOS
+    # No eviction: the stream (prefill, then single tokens) is the model's own dense forward.
+    with torch.no_grad():
+        dense = model(input_ids=ids[:, :24]).logits
+    streamed = torch.cat(
+        [_stream(model, ids[:, :16], hfa.SinkCache(4, 60), 16)[:, :16], _stream_continue(model, ids[:, :24])],
+        1,
+    )
+    torch.testing.assert_close(streamed, dense, atol=1e-4, rtol=1e-4)
+    # Eviction: chunks of 7 equal token by token, to 1e-4 nats per token.
+    chunked = hfa.perplexity(model, ids[0], cache=hfa.SinkCache(2, 6), chunk_size=7, progress=False).nll
+    stepped = hfa.perplexity(model, ids[0], cache=hfa.SinkCache(2, 6), chunk_size=1, progress=False).nll
+    assert float((chunked - stepped).abs().max()) < 1e-4
+    # generate() with eviction follows the token-by-token stream's greedy tokens.
+    prompt = ids[:, :10]
+    generated = model.generate(
+        prompt, past_key_values=hfa.SinkCache(2, 6), max_new_tokens=12, do_sample=False, pad_token_id=0
+    )[0, 10:]
+    cache, tokens, logits = hfa.SinkCache(2, 6), prompt, None
+    with torch.no_grad():
+        for _ in range(12):
+            logits = model(
+                input_ids=tokens if logits is None else tokens[:, -1:], past_key_values=cache
+            ).logits
+            tokens = torch.cat([tokens, logits[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(generated, tokens[0, 10:]), (generated, tokens[0, 10:])
+
+
+def _stream_continue(model, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of ids[16:] fed one token at a time after a 16-token prefill (no eviction: cache of 64)."""
+    cache = hfa.SinkCache(4, 60)
+    with torch.no_grad():
+        model(input_ids=ids[:, :16], past_key_values=cache)
+        return torch.cat(
+            [model(input_ids=ids[:, t : t + 1], past_key_values=cache).logits for t in range(16, 24)], 1
+        )
