@@ -106,12 +106,14 @@ class StepPlan:
                 "new": self.new_positions,
                 "sinks": self.sink_positions,
                 "mid": self.mid_positions,
-                "rebase": None if self.rebase is None else -self.rebase[:, None],
                 "sink_slots": torch.arange(self.sinks, device=device)[None]
                 if self.mode is Mode.DOUBLED
                 else None,
             }
-            self._rotations[id(table)] = {k: table(p) for k, p in positions.items() if p is not None}
+            rotations = {k: table(p) for k, p in positions.items() if p is not None}
+            if self.rebase is not None:  # stored keys move back: a pure rotation, no second attention scaling
+                rotations["rebase"] = table.relative(-self.rebase[:, None])
+            self._rotations[id(table)] = rotations
         return self._rotations[id(table)]
 
 

@@ -79,6 +79,14 @@ class RopeTable:
             return self._computed(positions)
         return self._module(torch.empty(0, dtype=self.dtype, device=positions.device), positions)
 
+    def relative(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of a pure rotation by ``positions``, for keys that are already rotated: without the
+        attention scaling that YaRN and LongRoPE fold into cos/sin (applied once, when a key is first rotated)."""
+        cos, sin = self(positions)
+        if self.scaling is None or self.scaling == 1.0:
+            return cos, sin
+        return cos / self.scaling, sin / self.scaling
+
 
 RopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 """A family's ``apply_rotary_pos_emb(q, k, cos, sin)``."""
