@@ -103,7 +103,26 @@ def main() -> None:
     lines += ["", f"{len(rows)} model types tested; {passed} with no failing cell.", ""]
     out = ROOT / "docs" / "SUPPORT.md"
     out.write_text("\n".join(lines))
-    print(f"wrote {out.relative_to(ROOT)}: {len(rows)} model types")
+    write_summary(rows, features)
+    print(f"wrote {out.relative_to(ROOT)} and the README's summary: {len(rows)} model types")
+
+
+def write_summary(rows: dict[str, dict[str, tuple[str, str]]], features: list[str]) -> None:
+    """The README's table: how many model types pass, are refused, or do not apply, per feature and backend."""
+    columns = [f"{f} ({a})" for f in features for a in ("eager", "sdpa")] + ["streaming"]
+    table = ["| | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for label, mark in (("✓ tested exact", "✓"), ("refused, with the reason", "refused"), ("✗ failing", "✗")):
+        counts = [sum(1 for r in rows.values() if cell(r.get(c)) == mark) for c in columns]
+        table.append(f"| {label} | " + " | ".join(str(n) for n in counts) + " |")
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    start, end = "<!-- support-summary:start -->", "<!-- support-summary:end -->"
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    body = f"Model types of transformers {transformers.__version__} ({len(rows)} tested):\n\n" + "\n".join(
+        table
+    )
+    readme.write_text(f"{head}{start}\n{body}\n{end}{tail}")
 
 
 if __name__ == "__main__":
