@@ -67,7 +67,6 @@ def cell(result: tuple[str, str] | None) -> str:
         return "✓"
     if status == "fail":
         return "✗"
-    message = re.sub(r"^.*?(streaming refused: |not a RoPE decoder)", r"\1", message)
     return "refused" if "refused" in message else "n/a"
 
 

@@ -8,13 +8,17 @@ sharp random weights, so that attention is peaked and a wrong scale, mask or pos
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 
 import torch
 import transformers
+from reference import make_reference
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 from transformers.models.auto import modeling_auto
+
+from hf_attnscale.core.families import attention_modules
 
 VOCAB = 128
 
@@ -197,6 +201,15 @@ def sharpen(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
             ):  # ZAYA's key temperature starts at 0: attention would be uniform
                 p.fill_(2.0)
     return model
+
+
+def reference_of(plain: torch.nn.Module, attn: str, **options) -> torch.nn.Module:
+    """A copy of ``plain`` whose patched attention modules compute tests/reference.py's attention with
+    ``options`` (soft-capping as the backend ``attn`` applies it: eager caps, sdpa does not)."""
+    reference = copy.deepcopy(plain)
+    classes = {type(m).__name__ for m in attention_modules(reference)}
+    make_reference(reference, classes, apply_softcap=attn == "eager", **options)
+    return reference
 
 
 def supports_sdpa(model_type: str) -> bool:

@@ -15,11 +15,10 @@ import functools
 
 import pytest
 import torch
-from model_zoo import EAGER_ONLY, LOGIT_TOLERANCE, family_types, head_of, tiny_model
-from reference import make_reference
+from model_zoo import EAGER_ONLY, LOGIT_TOLERANCE, family_types, head_of, reference_of, tiny_model
 
 import hf_attnscale as hfa
-from hf_attnscale.core.families import attention_modules, rule_for
+from hf_attnscale.core.families import rule_for
 
 TYPES = family_types()
 FEATURES = {
@@ -66,13 +65,7 @@ def test_family_matches_the_reference(model_type, attn, feature):
             hfa.patch(copy.deepcopy(plain), **options)
         pytest.skip(f"exit refused: {rule_for(plain).no_exit}")
     patched = hfa.patch(copy.deepcopy(plain), **options)
-    reference = copy.deepcopy(plain)
-    make_reference(
-        reference,
-        {type(m).__name__ for m in attention_modules(reference)},
-        apply_softcap=attn == "eager",
-        **options,
-    )
+    reference = reference_of(plain, attn, **options)
     inputs = inputs_for(model_type)
     rows = inputs["attention_mask"].bool()
     with torch.no_grad():

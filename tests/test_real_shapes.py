@@ -9,12 +9,10 @@ import copy
 
 import pytest
 import torch
-from model_zoo import sharpen
-from reference import make_reference
+from model_zoo import reference_of, sharpen
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 
 import hf_attnscale as hfa
-from hf_attnscale.core.families import attention_modules
 
 SMALL = {"vocab_size": 128, "num_hidden_layers": 1, "intermediate_size": 64, "pad_token_id": 0}
 
@@ -163,23 +161,21 @@ def build(name: str, attn: str = "sdpa") -> torch.nn.Module:
     return sharpen(head.from_config(config, attn_implementation=attn)).eval()
 
 
+def backend(name: str) -> str:
+    return "eager" if "Gemma-2" in name else "sdpa"  # Gemma-2's softcap runs on eager only
+
+
 def is_decoder(name: str) -> bool:
     return CHECKPOINTS[name]["model_type"] not in ("bert", "roberta", "modernbert")
 
 
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
 def test_real_shapes_match_the_reference(name):
-    attn = "eager" if "Gemma-2" in name else "sdpa"  # Gemma-2's softcap runs on eager only
+    attn = backend(name)
     plain = build(name, attn)
     options = {"scale": "logn", "train_length": 8, "sink_logit": 0.5}
     patched = hfa.patch(copy.deepcopy(plain), **options)
-    reference = copy.deepcopy(plain)
-    make_reference(
-        reference,
-        {type(m).__name__ for m in attention_modules(reference)},
-        apply_softcap=attn == "eager",
-        **options,
-    )
+    reference = reference_of(plain, attn, **options)
     ids = torch.randint(3, 120, (2, 24), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, (slice(0, 3) if is_decoder(name) else slice(21, 24))] = 0
@@ -196,7 +192,7 @@ def test_real_shapes_match_the_reference(name):
 
 @pytest.mark.parametrize("name", [n for n in CHECKPOINTS if is_decoder(n)])
 def test_real_shapes_stream_chunked_as_token_by_token(name):
-    model = hfa.patch(build(name, "eager" if "Gemma-2" in name else "sdpa"), scale="logn", train_length=8)
+    model = hfa.patch(build(name, backend(name)), scale="logn", train_length=8)
     ids = torch.randint(3, 120, (48,), generator=torch.Generator().manual_seed(2))
     chunked = hfa.perplexity(model, ids, cache=hfa.SinkCache(4, 12), chunk_size=10, progress=False).nll
     stepped = hfa.perplexity(model, ids, cache=hfa.SinkCache(4, 12), chunk_size=1, progress=False).nll

@@ -88,7 +88,7 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     """
     config = model.config
     model_type = getattr(config, "model_type", None)
-    rule = RULES.get(model_type, Rule())
+    rule = rule_for(model)
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(
             f"hf_attnscale does not support encoder-decoder models (model_type {model_type!r}): their decoder "
@@ -112,9 +112,10 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def rule_for(model: nn.Module) -> Rule:
-    """The `Rule` of ``model``'s family (the empty rule when discovery alone suffices)."""
-    return RULES.get(getattr(model.config, "model_type", None), Rule())
+def rule_for(model: nn.Module | Any) -> Rule:
+    """The `Rule` of the family of ``model`` (or of a model config); the empty rule when discovery suffices."""
+    config = model.config if isinstance(model, nn.Module) else model
+    return RULES.get(getattr(config, "model_type", None), Rule())
 
 
 def query_heads(module: nn.Module, model_config: Any) -> int:

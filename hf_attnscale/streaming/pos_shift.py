@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from hf_attnscale.core.families import RULES, Rule, attention_modules, takes_position_embeddings
+from hf_attnscale.core.families import attention_modules, rule_for, takes_position_embeddings
 from hf_attnscale.core.models import unwrap
 from hf_attnscale.core.patching import ROTARY_ATTR
 from hf_attnscale.core.routing import cache_argument
@@ -45,9 +45,7 @@ def check_streaming_model(model: nn.Module) -> None:
     reason = streaming_refusal(root.config)
     if reason:
         raise ValueError(reason)
-    layers = getattr(
-        getattr(root.config, "get_text_config", lambda: root.config)(), "num_hidden_layers", None
-    )
+    layers = getattr(root.config.get_text_config(), "num_hidden_layers", None)
     if isinstance(layers, int) and len(modules) < layers:
         raise ValueError(
             f"SinkCache cannot stream this {type(root).__name__} (model_type {root.config.model_type!r}): only "
@@ -65,7 +63,7 @@ def check_streaming_model(model: nn.Module) -> None:
 def streaming_refusal(model_config) -> str | None:
     """Why a `SinkCache` cannot serve this model family (from its config alone), or None."""
     model_type = getattr(model_config, "model_type", None)
-    reason = RULES.get(model_type, Rule()).no_streaming
+    reason = rule_for(model_config).no_streaming
     if reason is None and getattr(model_config, "kv_lora_rank", None) is not None:
         reason = (
             "its multi-head latent attention builds keys from a rotated and an unrotated part computed apart, "
