@@ -10,6 +10,7 @@ the whole protocol.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 from torch import nn
@@ -17,10 +18,15 @@ from torch import nn
 ATTENTION_STEP = "attention_step"
 
 
+@functools.cache
+def _signature(function) -> inspect.Signature:
+    return inspect.signature(function)  # cached: it costs more than a small model's attention step
+
+
 def cache_argument(module: nn.Module) -> str:
     """The name under which ``module``'s forward takes the cache: ``past_key_values``, or GPT-NeoX's
     ``layer_past``."""
-    parameters = inspect.signature(type(module).forward).parameters
+    parameters = _signature(type(module).forward).parameters
     return (
         "layer_past"
         if "layer_past" in parameters and "past_key_values" not in parameters
@@ -31,7 +37,7 @@ def cache_argument(module: nn.Module) -> str:
 def cache_routed_forward(self: nn.Module, *args, **kwargs):
     """Per-instance forward: the class's own, or ``past_key_values.attention_step(self, **arguments)``."""
     if args[1:]:  # positional call: find the arguments by name
-        bound = inspect.signature(type(self).forward).bind(self, *args, **kwargs)
+        bound = _signature(type(self).forward).bind(self, *args, **kwargs)
         bound.arguments.pop("self")
         extra = bound.arguments.pop("kwargs", {})
         args, kwargs = (), {**bound.arguments, **extra}

@@ -74,11 +74,12 @@ class SinkCacheLayer(CacheLayerMixin):
         self.window = window
         self.books: Bookkeeping | None = None
         self.sink_keys: torch.Tensor | None = None  # (B, Hkv, S, D), before RoPE
-        self._staged: tuple[StepPlan, RopeFn, RopeTable] | None = None
+        self._staged: tuple[StepPlan, RopeFn, RopeTable, bool] | None = None
 
-    def stage(self, plan: StepPlan, rope: RopeFn, table: RopeTable) -> None:
-        """Set what the next `update` does: the call's plan, the family's rotation and the layer's RoPE table."""
-        self._staged = (plan, rope, table)
+    def stage(self, plan: StepPlan, rope: RopeFn, table: RopeTable, keys_rotated: bool = False) -> None:
+        """Set what the next `update` does: the call's plan, the family's rotation, the layer's RoPE table,
+        and whether the module hands over its new keys already rotated at the plan's new positions."""
+        self._staged = (plan, rope, table, keys_rotated)
 
     def unstage(self) -> None:
         self._staged = None
@@ -104,10 +105,11 @@ class SinkCacheLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new pre-RoPE keys/values, and return every key and value the new queries read."""
+        """Store the new keys (pre-RoPE, unless staged as rotated) and values; return every key and value
+        the new queries read."""
         if self._staged is None:
             raise ValueError(UNPATCHED_MESSAGE)
-        plan, rope, table = self._staged
+        plan, rope, table, keys_rotated = self._staged
         self._staged = None
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -119,7 +121,7 @@ class SinkCacheLayer(CacheLayerMixin):
             keys = torch.cat([keys[:, :, :sinks], window], dim=2)
         if plan.new_sink_rank is not None:
             sink_keys, values = _store_sinks(plan.new_sink_rank, key_states, value_states, sink_keys, values)
-        new_keys = rotate_keys(rope, key_states, turns["new"])
+        new_keys = key_states if keys_rotated else rotate_keys(rope, key_states, turns["new"])
         if plan.write_slot is not None:  # decoding (no autograd): one token into a free slot, nothing copied
             _write(keys, new_keys, plan.write_slot)
             _write(values, value_states, plan.write_slot)
@@ -365,23 +367,30 @@ class SinkCache(Cache):
         table: RopeTable,
         kwargs: dict,
     ):
-        """One call of the module's class forward, with the plan staged on its layer and its query hook set."""
+        """One call of the module's class forward, with the plan staged on its layer and its query hook set.
+
+        When the queries and the new keys share one rotation and no new token is a sink (decoding, and every
+        chunk of a stream past its first tokens), the module rotates them itself at the plan's positions, as
+        in a plain forward; otherwise it rotates by the identity and the hook and the cache rotate after it.
+        """
         layer = self.layer(module.layer_idx)
-        layer.stage(plan, rope, table)
         turns = plan.rotations(table)
+        own_rotation = plan.mode is Mode.SINGLE and plan.new_sink_rank is None
+        layer.stage(plan, rope, table, keys_rotated=own_rotation)
+        embeddings = turns["new"] if own_rotation else identity
         if plan.mode is Mode.DOUBLED:
             state.query_hook = lambda q: torch.cat(
                 [rotate_queries(rope, q, turns["new"]), rotate_queries(rope, q, turns["mid"])], dim=-1
             )
             # values were zero-padded to 2D; contiguous, as some families .view() the output
             state.output_hook = lambda out: out[..., : out.shape[-1] // 2].contiguous()
-        else:
+        elif not own_rotation:
             state.query_hook = lambda q: rotate_queries(rope, q, turns["new"])
         try:
             return type(module).forward(
                 module,
                 hidden_states=hidden_states,
-                position_embeddings=identity,
+                position_embeddings=embeddings,
                 attention_mask=plan.mask,
                 **{cache_argument(module): self},
                 **kwargs,

@@ -9,6 +9,7 @@ they are shown to give its output, so positions of any size keep full precision.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -92,6 +93,7 @@ RopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 """A family's ``apply_rotary_pos_emb(q, k, cos, sin)``."""
 
 
+@functools.cache
 def pair_rope(rope: Callable[..., Any]) -> RopeFn:
     """The family's RoPE as a ``(q, k, cos, sin)`` function; Gemma-3n/4 rotate one tensor, ``(x, cos, sin)``."""
     first = next(iter(inspect.signature(rope).parameters))
