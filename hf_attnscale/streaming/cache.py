@@ -31,7 +31,15 @@ from .pos_shift import (
     per_token_slice,
     streaming_refusal,
 )
-from .rope import RopeFn, RopeTable, first_dims_rope, pair_rope, rotate_keys, rotate_queries
+from .rope import (
+    RopeFn,
+    RopeTable,
+    first_dims_rope,
+    pair_rope,
+    rotate_keys,
+    rotate_queries,
+    rotation_basis,
+)
 
 DEFAULT_SINK_TOKENS = 4
 """StreamingLLM's number of attention sinks, the default wherever a sink count is taken."""
@@ -75,6 +83,8 @@ class SinkCacheLayer(CacheLayerMixin):
         self.books: Bookkeeping | None = None
         self.sink_keys: torch.Tensor | None = None  # (B, Hkv, S, D), before RoPE
         self._staged: tuple[StepPlan, RopeFn, RopeTable, bool] | None = None
+        # The sinks' rotation basis for decoding (`rotation_basis`); None: not found yet, False: none exists.
+        self._sink_basis: tuple[torch.Tensor, torch.Tensor] | bool | None = None
 
     def stage(self, plan: StepPlan, rope: RopeFn, table: RopeTable, keys_rotated: bool = False) -> None:
         """Set what the next `update` does: the call's plan, the family's rotation, the layer's RoPE table,
@@ -121,22 +131,33 @@ class SinkCacheLayer(CacheLayerMixin):
             keys = torch.cat([keys[:, :, :sinks], window], dim=2)
         if plan.new_sink_rank is not None:
             sink_keys, values = _store_sinks(plan.new_sink_rank, key_states, value_states, sink_keys, values)
+            self._sink_basis = None
         new_keys = key_states if keys_rotated else rotate_keys(rope, key_states, turns["new"])
         if plan.write_slot is not None:  # decoding (no autograd): one token into a free slot, nothing copied
             _write(keys, new_keys, plan.write_slot)
             _write(values, value_states, plan.write_slot)
         else:
             keys, values = torch.cat([keys, new_keys], dim=2), torch.cat([values, value_states], dim=2)
-        rotated_sinks = rotate_keys(rope, sink_keys, turns["sinks"])
         if plan.write_slot is not None:
-            keys[:, :, :sinks] = rotated_sinks
+            keys[:, :, :sinks] = self._decoding_sinks(rope, sink_keys, turns["sinks"])
         else:
-            keys = torch.cat([rotated_sinks, keys[:, :, sinks:]], dim=2)
+            keys = torch.cat([rotate_keys(rope, sink_keys, turns["sinks"]), keys[:, :, sinks:]], dim=2)
         out = _doubled(rope, keys, values, sink_keys, turns) if plan.mode is Mode.DOUBLED else (keys, values)
         if plan.keep_index is not None:
             keys, values = _gather_slots(keys, plan.keep_index), _gather_slots(values, plan.keep_index)
         self.keys, self.values, self.sink_keys, self.books = keys, values, sink_keys, plan.after
         return out
+
+    def _decoding_sinks(
+        self, rope: RopeFn, sink_keys: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ):
+        """The sinks rotated for a decoding step (no autograd), from their basis once it is found."""
+        if self._sink_basis is None:
+            self._sink_basis = rotation_basis(rope, sink_keys, cos_sin) or False
+        if self._sink_basis is False:
+            return rotate_keys(rope, sink_keys, cos_sin)
+        (a, b), (cos, sin) = self._sink_basis, cos_sin
+        return a * cos.unsqueeze(1) + b * sin.unsqueeze(1)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # transformers then builds a mask over the new tokens only; the pos-shift step reads their padding
@@ -151,7 +172,7 @@ class SinkCacheLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.keys = self.values = self.sink_keys = self.books = None
-        self._staged = None
+        self._staged = self._sink_basis = None
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -161,6 +182,7 @@ class SinkCacheLayer(CacheLayerMixin):
         )
 
     def _select_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._sink_basis = None
         for name in ("keys", "values", "sink_keys"):
             tensor = getattr(self, name)
             if tensor is not None:
@@ -195,6 +217,9 @@ def _store_sinks(new_sink_rank, key_states, value_states, sink_keys, values):
 
 def _write(buffer: torch.Tensor, new: torch.Tensor, slot: torch.Tensor) -> None:
     """Write each row's one new token ``(B, H, 1, D)`` into its slot of ``buffer``, in place."""
+    if buffer.shape[0] == 1:
+        buffer.index_copy_(2, slot, new)
+        return
     index = slot.view(-1, 1, 1, 1).expand(-1, buffer.shape[1], 1, buffer.shape[3])
     buffer.scatter_(2, index, new)
 
@@ -250,6 +275,9 @@ class SinkCache(Cache):
         self._plans: dict[int, StepPlan] = {}
         self._first_layer: int | None = None
         self._tables: dict[tuple, RopeTable] = {}
+        self._module_ropes: dict[tuple, tuple[nn.Module, RopeFn]] = {}
+        self._validity: tuple | None = None
+        self._served_config = None
 
     @classmethod
     def from_start_recent(cls, start_size: int, recent_size: int) -> SinkCache:
@@ -289,6 +317,7 @@ class SinkCache(Cache):
     def reset(self) -> None:
         super().reset()
         self._plans = {}
+        self._validity = None
 
     def attention_step(
         self,
@@ -302,66 +331,103 @@ class SinkCache(Cache):
         """One attention module's step over ``hidden_states`` (B, q, hidden), with pos-shift through this cache.
 
         Called by a patched RoPE attention module's forward (`hf_attnscale.core.routing`) in place of its own.
+        What does not change between calls is worked out once: per model call (the checks on the model, the
+        plan), per module (its rotation, its RoPE table) and per mask (which new tokens are padding).
         """
         state = state_of(module)
         if state is None or module.__dict__.get(ROTARY_ATTR) is None:
             raise ValueError(UNPATCHED_MESSAGE)
-        model_config = module.config.model_config
-        check_backend(model_config._attn_implementation)
-        reason = streaming_refusal(model_config)
-        if reason:
-            raise ValueError(reason)
-        check_sliding_window(module, self.window)
+        if self._first_layer is None or module.layer_idx <= self._first_layer:
+            self._begin_call(module)
         batch, q_len = hidden_states.shape[:2]
-        new_valid = new_token_validity(attention_mask, batch, q_len, hidden_states.device)
-        if not bool(new_valid.any()):
-            raise ValueError(
-                "The attention_mask marks every new token as padding. With a cache, pass a 2D attention_mask "
-                "that covers the past and the new tokens, (batch, past + new), as generate() does; or none."
-            )
-        rotary, layer_type = module.__dict__[ROTARY_ATTR]
-        table = self.rope_table(rotary, layer_type, hidden_states)
-        if position_embeddings is None:
-            position_embeddings = table(torch.zeros(1, q_len, dtype=torch.long, device=hidden_states.device))
-        if not (isinstance(position_embeddings, tuple) and len(position_embeddings) == 2):
-            raise ValueError(
-                f"SinkCache cannot stream {type(module).__name__}: its RoPE is not a (cos, sin) pair (complex "
-                "frequencies, as in Llama-4 and DeepSeek-V2), so pos-shift cannot re-place its keys."
-            )
-        cos, sin = position_embeddings
-        # RoPE as the identity, in the real cos/sin shapes (Phi-3 rotates only part of the head).
-        identity = (torch.ones_like(cos), torch.zeros_like(sin))
-        rotates = layer_rotates(module, hidden_states, position_embeddings, identity, **kwargs)
-        rope = (
-            pair_rope(sys.modules[type(module).__module__].apply_rotary_pos_emb) if rotates else no_rotation
-        )
-        rope = first_dims_rope(rope, cos.shape[-1])
+        new_valid, all_valid = self._new_validity(attention_mask, batch, q_len, hidden_states.device)
+        rope, table = self._module_rotation(module, hidden_states, position_embeddings, kwargs)
         outputs, weights = [], None
         for start in range(0, q_len, PIECE_TOKENS):
             # A long prompt: this layer's queries in pieces, each reading the cache the previous piece left.
             # Exact (a token's output depends only on earlier tokens); memory stays O(piece x (S + W + piece)).
             piece = slice(start, start + PIECE_TOKENS)
-            part = tuple(x[:, piece] if x.shape[-2] == q_len else x for x in identity)
-            plan = self.plan(module.layer_idx, new_valid[:, piece], hidden_states.dtype, new_call=start == 0)
+            pieces = q_len > PIECE_TOKENS
+            plan = self.plan(
+                module.layer_idx, new_valid[:, piece] if pieces else new_valid, hidden_states.dtype, all_valid
+            )
             out, weights = self._run_piece(
                 module,
                 state,
-                hidden_states[:, piece],
-                part,
+                hidden_states[:, piece] if pieces else hidden_states,
                 plan,
                 rope,
                 table,
-                per_token_slice(kwargs, q_len, piece),
+                per_token_slice(kwargs, q_len, piece) if pieces else kwargs,
             )
             outputs.append(out)
         return (outputs[0], weights) if len(outputs) == 1 else (torch.cat(outputs, dim=1), None)
+
+    def _begin_call(self, module: nn.Module) -> None:
+        """A new model call (its first attention layer): check the model as it is now, drop stale plans."""
+        model_config = module.config.model_config
+        check_backend(model_config._attn_implementation)
+        if model_config is not self._served_config:  # a family's refusal depends on its config alone
+            reason = streaming_refusal(model_config)
+            if reason:
+                raise ValueError(reason)
+            self._served_config = model_config
+        self._first_layer = module.layer_idx
+        self._plans = {}
+
+    def _new_validity(
+        self, attention_mask: torch.Tensor | None, batch: int, q_len: int, device: torch.device
+    ) -> tuple[torch.Tensor, bool]:
+        """``(B, q)`` bool of the real new tokens, and whether all are real; read once per mask object."""
+        seen = self._validity
+        if seen is not None and seen[0] is attention_mask and seen[1] == (batch, q_len):
+            return seen[2], seen[3]
+        new_valid = new_token_validity(attention_mask, batch, q_len, device)
+        all_valid = attention_mask is None or bool(new_valid.all())
+        if not all_valid and not bool(new_valid.any()):
+            raise ValueError(
+                "The attention_mask marks every new token as padding. With a cache, pass a 2D attention_mask "
+                "that covers the past and the new tokens, (batch, past + new), as generate() does; or none."
+            )
+        # The mask is held, so that its identity is not reused by another object while it is compared.
+        self._validity = (attention_mask, (batch, q_len), new_valid, all_valid)
+        return new_valid, all_valid
+
+    def _module_rotation(
+        self,
+        module: nn.Module,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+        kwargs: dict,
+    ) -> tuple[RopeFn, RopeTable]:
+        """The module's rotation (its family's RoPE, over its rotary dims, or none) and its RoPE table."""
+        rotary, layer_type = module.__dict__[ROTARY_ATTR]
+        table = self.rope_table(rotary, layer_type, hidden_states)
+        key = (id(module), table)
+        if key not in self._module_ropes:
+            check_sliding_window(module, self.window)
+            if position_embeddings is None:
+                q_len = hidden_states.shape[1]
+                position_embeddings = table(
+                    torch.zeros(1, q_len, dtype=torch.long, device=hidden_states.device)
+                )
+            if not (isinstance(position_embeddings, tuple) and len(position_embeddings) == 2):
+                raise ValueError(
+                    f"SinkCache cannot stream {type(module).__name__}: its RoPE is not a (cos, sin) pair "
+                    "(complex frequencies, as in Llama-4 and DeepSeek-V2), so pos-shift cannot re-place its keys."
+                )
+            cos, sin = position_embeddings
+            rotates = layer_rotates(module, hidden_states, position_embeddings, _identity(cos, sin), **kwargs)
+            family_rope = sys.modules[type(module).__module__].apply_rotary_pos_emb
+            rope = pair_rope(family_rope) if rotates else no_rotation
+            self._module_ropes[key] = (module, first_dims_rope(rope, cos.shape[-1]))  # the module is held too
+        return self._module_ropes[key][1], table
 
     def _run_piece(
         self,
         module: nn.Module,
         state: AttnScaleState,
         hidden_states: torch.Tensor,
-        identity: tuple[torch.Tensor, torch.Tensor],
         plan: StepPlan,
         rope: RopeFn,
         table: RopeTable,
@@ -371,13 +437,14 @@ class SinkCache(Cache):
 
         When the queries and the new keys share one rotation and no new token is a sink (decoding, and every
         chunk of a stream past its first tokens), the module rotates them itself at the plan's positions, as
-        in a plain forward; otherwise it rotates by the identity and the hook and the cache rotate after it.
+        in a plain forward; otherwise it rotates by the identity (cos = 1, sin = 0 in the real shapes, so
+        partial rotary stays right) and the hook and the cache rotate after it.
         """
         layer = self.layer(module.layer_idx)
         turns = plan.rotations(table)
         own_rotation = plan.mode is Mode.SINGLE and plan.new_sink_rank is None
         layer.stage(plan, rope, table, keys_rotated=own_rotation)
-        embeddings = turns["new"] if own_rotation else identity
+        embeddings = turns["new"] if own_rotation else _identity(*turns["new"])
         if plan.mode is Mode.DOUBLED:
             state.query_hook = lambda q: torch.cat(
                 [rotate_queries(rope, q, turns["new"]), rotate_queries(rope, q, turns["mid"])], dim=-1
@@ -396,7 +463,8 @@ class SinkCache(Cache):
                 **kwargs,
             )
         finally:
-            state.query_hook = state.output_hook = None
+            if not own_rotation:
+                state.query_hook = state.output_hook = None
             layer.unstage()
 
     def rope_table(self, rotary: nn.Module, layer_type: str | None, like: torch.Tensor) -> RopeTable:
@@ -406,15 +474,13 @@ class SinkCache(Cache):
             self._tables[key] = RopeTable(rotary, layer_type, like, self.capacity)
         return self._tables[key]
 
-    def plan(
-        self, layer_idx: int, new_valid: torch.Tensor, dtype: torch.dtype, *, new_call: bool = True
-    ) -> StepPlan:
+    def plan(self, layer_idx: int, new_valid: torch.Tensor, dtype: torch.dtype, all_valid: bool) -> StepPlan:
         """The `StepPlan` for the next call of layer ``layer_idx``; built once per model call and shared.
 
         Args:
             new_valid: ``(B, q)`` bool, False for padding among the new tokens.
             dtype: the query dtype (of the mask).
-            new_call: False for the second and later pieces of one layer's call (a long prompt).
+            all_valid: whether ``new_valid`` is all True.
         """
         layer = self.layer(layer_idx)
         books = layer.books or Bookkeeping.empty(new_valid.shape[0], self.sink_tokens, new_valid.device)
@@ -423,14 +489,15 @@ class SinkCache(Cache):
                 f"This SinkCache holds a batch of {books.seen_valid.shape[0]} streams but got "
                 f"{new_valid.shape[0]}; use one cache per batch (or cache.reset())."
             )
-        if self._first_layer is None or layer_idx < self._first_layer:
-            self._first_layer = layer_idx
-        if new_call and layer_idx == self._first_layer:
-            self._plans = {}  # a new model call: the last call's plans are stale
         # Writing into the cache in place would break autograd's saved tensors; it only pays off when decoding.
         in_place = not torch.is_grad_enabled()
         plan = self._plans.get(books.seen)
         if plan is None or not plan.matches(books, new_valid, dtype, in_place):
-            plan = build_plan(books, new_valid, self.sink_tokens, self.window, dtype, in_place)
+            plan = build_plan(books, new_valid, self.sink_tokens, self.window, dtype, in_place, all_valid)
             self._plans[books.seen] = plan
         return plan
+
+
+def _identity(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE as the identity, in the real cos/sin shapes (Phi-3 rotates only part of the head)."""
+    return torch.ones_like(cos), torch.zeros_like(sin)

@@ -99,7 +99,8 @@ class StepPlan:
         )
 
     def rotations(self, table: RopeTable) -> dict[str, CosSin]:
-        """cos/sin of each rotation of this call, for one layer type's table (computed once per call)."""
+        """cos/sin of each rotation of this call, for one layer type's table (computed once per call, in one
+        call of the table)."""
         if id(table) not in self._rotations:
             device = self.new_positions.device
             positions = {
@@ -110,7 +111,11 @@ class StepPlan:
                 if self.mode is Mode.DOUBLED
                 else None,
             }
-            rotations = {k: table(p) for k, p in positions.items() if p is not None}
+            positions = {k: p for k, p in positions.items() if p is not None}
+            batch = max(p.shape[0] for p in positions.values())
+            widths = [p.shape[1] for p in positions.values()]
+            cos, sin = table(torch.cat([p.expand(batch, -1) for p in positions.values()], dim=1))
+            rotations = dict(zip(positions, zip(cos.split(widths, dim=1), sin.split(widths, dim=1))))
             if self.rebase is not None:  # stored keys move back: a pure rotation, no second attention scaling
                 rotations["rebase"] = table.relative(-self.rebase[:, None])
             self._rotations[id(table)] = rotations
@@ -118,9 +123,23 @@ class StepPlan:
 
 
 def build_plan(
-    before: Bookkeeping, new_valid: torch.Tensor, sinks: int, window: int, dtype: torch.dtype, in_place: bool
+    before: Bookkeeping,
+    new_valid: torch.Tensor,
+    sinks: int,
+    window: int,
+    dtype: torch.dtype,
+    in_place: bool,
+    all_valid: bool = False,
 ) -> StepPlan:
-    """Plan one call of ``new_valid.shape[1]`` new tokens (see the module docstring)."""
+    """Plan one call of ``new_valid.shape[1]`` new tokens (see the module docstring).
+
+    ``all_valid`` says that no new token is padding (``new_valid`` is all True): decoding then takes a
+    shorter path to the same plan.
+    """
+    if all_valid and in_place and new_valid.shape[1] == 1:
+        plan = _decode_plan(before, new_valid, sinks, window, dtype)
+        if plan is not None:
+            return plan
     capacity = sinks + window
     new_rank = (before.seen_valid[:, None] + new_valid.long().cumsum(1) - 1).masked_fill(~new_valid, -1)
     seen_valid = before.seen_valid + new_valid.sum(1)
@@ -153,6 +172,51 @@ def build_plan(
         write_slot=write_slot,
         mask=_additive(visible, dtype, decoding=write_slot is not None),
         keep_index=keep_index,
+    )
+
+
+def _decode_plan(
+    before: Bookkeeping, new_valid: torch.Tensor, sinks: int, window: int, dtype: torch.dtype
+) -> StepPlan | None:
+    """`build_plan` for one real token per row written in place, in a third of the tensor operations (a
+    decoding step of a small model costs little more than them). None when a row has no free slot."""
+    capacity = sinks + window
+    token = before.seen_valid  # each row's new token: its rank
+    seen_valid = token + 1
+    base, rebase = _new_base(before, seen_valid, capacity)
+    free = before.rank[:, sinks:] < 0
+    is_sink = token < sinks
+    if not free.shape[1]:
+        if not bool(is_sink.all()):
+            return None
+        write_slot = token
+    elif not bool((free.any(1) | is_sink).all()):
+        return None
+    else:
+        write_slot = torch.where(is_sink, token, sinks + free.to(torch.int8).argmax(1))
+    # Every slot the token reads: the cache's, with the token in its own (its reserved one if it is a sink).
+    key_rank = before.rank.scatter(1, write_slot[:, None], token[:, None])
+    is_sink_slot = torch.arange(key_rank.shape[1], device=key_rank.device) < sinks
+    # Every stored key is in the token's window (the last call evicted the others), so it reads every real one.
+    visible = key_rank >= 0
+    keep = is_sink_slot | (visible & (key_rank >= seen_valid[:, None] - (window - 1)))
+    offset = (token - (capacity - 1)).clamp_min(0) - base
+    return StepPlan(
+        before=before,
+        after=Bookkeeping(key_rank.masked_fill(~keep, -1), seen_valid, base, before.seen + 1),
+        new_valid=new_valid,
+        dtype=dtype,
+        in_place=True,
+        mode=Mode.SINGLE,
+        sinks=sinks,
+        new_positions=(token - base)[:, None],
+        sink_positions=torch.arange(sinks, device=token.device)[None] + offset[:, None],
+        mid_positions=None,
+        rebase=rebase,
+        new_sink_rank=token.masked_fill(~is_sink, -1)[:, None] if bool(is_sink.any()) else None,
+        write_slot=write_slot,
+        mask=_additive(visible[:, None], dtype, decoding=True),
+        keep_index=None,
     )
 
 

@@ -51,7 +51,7 @@ class RopeTable:
         check = torch.arange(min(length, LAYOUT_CHECK_POSITIONS), device=device)[None]
         computed = self._computed(check) if self.inv_freq is not None and self.scaling is not None else None
         self.exact = computed is not None and all(
-            got.shape == want.shape
+            got.shape == want[:, : check.shape[1]].shape
             and torch.allclose(got.float(), want[:, : check.shape[1]].float(), atol=1e-5)
             for got, want in zip(computed, reference)
         )
@@ -70,7 +70,10 @@ class RopeTable:
     def _computed(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.to(torch.float64)[..., None] * self.inv_freq
         emb = torch.cat([angles, angles], dim=-1)
-        return (emb.cos() * self.scaling).to(self.dtype), (emb.sin() * self.scaling).to(self.dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.scaling != 1.0:
+            cos, sin = cos * self.scaling, sin * self.scaling
+        return cos.to(self.dtype), sin.to(self.dtype)
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin at ``positions`` ``(B, n)`` (any integers, negative too): ``(B, n, rotary_dim)`` each."""
@@ -125,3 +128,19 @@ def rotate_keys(rope: RopeFn, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torc
 def rotate_queries(rope: RopeFn, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Queries ``(B, H, n, D)`` rotated by the family's own function."""
     return rope(x, x[:, :1], *cos_sin)[0]
+
+
+def rotation_basis(
+    rope: RopeFn, keys: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(a, b)`` such that ``rotate_keys(rope, keys, (cos, sin))`` is ``a * cos + b * sin`` (cos, sin broadcast
+    over heads): RoPE's form ``k·cos + rot(k)·sin``, found once so that later rotations of the same keys cost
+    two products and a sum. None unless the family's own rotation gives exactly that at ``cos_sin``."""
+    cos, sin = cos_sin
+    if cos.dim() != 3 or cos.shape[-1] != keys.shape[-1]:
+        return None  # partial rotary, or an unusual layout: rotate the usual way
+    a = rotate_keys(rope, keys, (torch.ones_like(cos), torch.zeros_like(sin)))
+    b = rotate_keys(rope, keys, (torch.zeros_like(cos), torch.ones_like(sin)))
+    want = rotate_keys(rope, keys, cos_sin)
+    got = a * cos.unsqueeze(1) + b * sin.unsqueeze(1)
+    return (a, b) if got.shape == want.shape and torch.equal(got, want) else None
