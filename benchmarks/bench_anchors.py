@@ -1,0 +1,126 @@
+"""hf_attnscale's streaming perplexity against mit-han-lab/streaming-llm's, on the same model and tokens (#14).
+
+The anchor runs in its own benchmark-only venv (transformers 4.33, as its README pins) through
+`anchor_streaming_llm.py`; this side runs `hfa.perplexity` with ``SinkCache.from_start_recent(S, R)`` (the
+anchor's ``start_size=S, recent_size=R``), token by token (``chunk_size=1``, the anchor's method) and chunked
+(the default). Both load the shipped tiny Llama from its folder and score the first ``--tokens`` tokens of a
+held-out stdlib document. Runs are interleaved (anchor, token by token, chunked) for each repeat; each
+reports the median tokens/s and the per-token NLL difference.
+
+Setting up the anchor (once; nothing of it is committed):
+
+    python -m venv /tmp/anchor-venv
+    /tmp/anchor-venv/bin/pip install torch==2.13.0 transformers==4.33.0 "numpy<2" accelerate==0.24.1
+    git clone https://github.com/mit-han-lab/streaming-llm /tmp/streaming-llm   # or any copy of it
+
+    python benchmarks/bench_anchors.py --anchor-python /tmp/anchor-venv/bin/python \
+        --anchor-src /tmp/streaming-llm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+import hf_attnscale as hfa
+from hf_attnscale.evaluation.corpus import long_documents
+from hf_attnscale.evaluation.models import default_model_path, load_default_model
+
+ANCHOR_LOOP = Path(__file__).with_name("anchor_streaming_llm.py")
+
+
+def run_anchor(args, ids_file: str, start: int, recent: int) -> dict:
+    """One run of the anchor's loop in its venv; returns its NLLs and tokens/s."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        env = {**os.environ, "PYTHONPATH": str(args.anchor_src), "TOKENIZERS_PARALLELISM": "false"}
+        command = [
+            args.anchor_python, str(ANCHOR_LOOP), "--model", str(default_model_path()), "--ids", ids_file,
+            "--start-size", str(start), "--recent-size", str(recent), "--threads", str(args.threads),
+            "--out", out.name,
+        ]  # fmt: skip
+        subprocess.run(command, env=env, check=True, capture_output=True)
+        return json.loads(Path(out.name).read_text())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--anchor-python", required=True, help="python of the venv with transformers 4.33")
+    parser.add_argument("--anchor-src", required=True, type=Path, help="a copy of mit-han-lab/streaming-llm")
+    parser.add_argument("--tokens", type=int, default=4000)
+    parser.add_argument("--configs", nargs="+", default=["4+252", "4+60"], help="start_size+recent_size")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    model, tokenizer = load_default_model()
+    hfa.patch(model)
+    document = long_documents("heldout", args.tokens, tokenizer)[0]
+    ids = torch.tensor(tokenizer(document.text)["input_ids"][: args.tokens])
+    rows = []
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(ids.tolist(), f)
+    try:
+        for config in args.configs:
+            start, recent = (int(x) for x in config.split("+"))
+            speed = {"anchor": [], "token by token": [], "chunked": []}  # (tokens/s, tokens per CPU-second)
+            for repeat in range(args.repeats):
+                anchor = run_anchor(args, f.name, start, recent)
+                anchor_nll = torch.tensor(anchor["nll"])
+                speed["anchor"].append((anchor["tokens_per_second"], anchor["tokens_per_cpu_second"]))
+                for name, chunk in (("token by token", 1), ("chunked", 512)):
+                    cache = hfa.SinkCache.from_start_recent(start, recent)
+                    cpu_start = time.process_time()
+                    result = hfa.perplexity(model, ids, cache=cache, chunk_size=chunk, progress=False)
+                    cpu = (len(ids) - 1) / (time.process_time() - cpu_start)
+                    speed[name].append((result.tokens_per_second, cpu))
+                    diff = (result.nll - anchor_nll).abs()
+                    if repeat == 0:
+                        rows.append((config, name, diff.max().item(), diff.mean().item(), speed[name]))
+                print(
+                    config, {k: f"{v[-1][0]:.1f} ({v[-1][1]:.1f} cpu)" for k, v in speed.items()}, flush=True
+                )
+            rows.append((config, "anchor", 0.0, 0.0, speed["anchor"]))
+            anchor_versions = f"transformers {anchor['transformers']}, torch {anchor['torch']}"
+    finally:
+        os.unlink(f.name)
+
+    command = "python benchmarks/bench_anchors.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(f"\n`{command}`\n")
+    print(
+        f"Shipped tiny Llama, the first {args.tokens} tokens of held-out `{document.name}`; "
+        f"{platform.processor() or platform.machine()}, {args.threads} thread(s); hf_attnscale on transformers "
+        f"{transformers.__version__}, torch {torch.__version__}; the anchor (mit-han-lab/streaming-llm) on "
+        f"{anchor_versions}. Median of {args.repeats} interleaved runs; tokens per CPU-second (the process's own CPU time) is less disturbed by other load on a shared machine.\n"
+    )
+    print(
+        "| start+recent | path | tokens/s (median) | vs anchor | tokens per CPU-second (median) | vs anchor "
+        "| runs (tokens/s) | max abs NLL diff | mean abs NLL diff |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    medians = {(c, n): [statistics.median(run[i] for run in runs) for i in (0, 1)] for c, n, *_, runs in rows}
+    for config, name, max_diff, mean_diff, runs in sorted(rows, key=lambda r: (r[0], r[1] != "anchor")):
+        (wall, cpu), (anchor_wall, anchor_cpu) = medians[config, name], medians[config, "anchor"]
+        cells = ", ".join(f"{run[0]:.1f}" for run in runs)
+        diffs = "- | -" if name == "anchor" else f"{max_diff:.1e} | {mean_diff:.1e}"
+        print(
+            f"| {config} | {name} | {wall:.1f} | {wall / anchor_wall:.2f}x | {cpu:.1f} | {cpu / anchor_cpu:.2f}x "
+            f"| {cells} | {diffs} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
