@@ -13,8 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import VOCAB, tiny_model
-from test_evaluate import single_thread, tiny_lm_with_tokenizer  # noqa: F401 (an autouse fixture)
+from conftest import VOCAB, tiny_lm_with_tokenizer, tiny_model
 
 import hf_attnscale as hfa
 from hf_attnscale.cli import main

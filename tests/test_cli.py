@@ -6,7 +6,7 @@ import json
 import re
 
 import pytest
-from test_evaluate import single_thread, tiny_lm_with_tokenizer  # noqa: F401 (an autouse fixture)
+from conftest import tiny_lm_with_tokenizer
 
 from hf_attnscale.cli import build_parser, main
 from hf_attnscale.evaluation.corpus import builtin_documents

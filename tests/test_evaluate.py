@@ -8,56 +8,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_model
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import random_documents, tiny_model
 
 import hf_attnscale as hfa
 from hf_attnscale.cli import parse_lengths
 from hf_attnscale.evaluation.corpus import Document, builtin_documents
 from hf_attnscale.evaluation.documents import load_documents
 from hf_attnscale.evaluation.sweep import Variant, demo_variants, sweep
-from hf_attnscale.training.lm import train_tokenizer
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """One torch thread for these tiny models (imported by test_cli and test_lm_eval too).
-
-    They gain nothing from more, and on shared cores torch's OpenMP threads wait on each other: lm-eval's
-    streaming test ran 25x slower with 2 threads than with 1 on a busy 2-core machine.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def tiny_lm_with_tokenizer(vocab_size: int = 320, max_position_embeddings: int = 64):
-    """A random 2-layer Llama and a byte-level BPE tokenizer (adds <s>) trained on a few stdlib files.
-
-    Its weights are drawn 10x wider than the default so that attention changes move the loss measurably.
-    """
-    tokenizer = train_tokenizer(builtin_documents("train")[:3], vocab_size)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max_position_embeddings,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        initializer_range=0.2,
-    )
-    return LlamaForCausalLM(config).eval(), tokenizer
-
-
-def random_documents(lengths: list[int], seed: int = 0) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, 128, (n,), generator=generator) for n in lengths]
 
 
 def segment_ppl(model, documents: list[torch.Tensor], longest: int, length: int) -> float:

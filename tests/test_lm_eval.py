@@ -16,9 +16,9 @@ import torch
 
 lm_eval = pytest.importorskip("lm_eval")
 
+from conftest import tiny_lm_with_tokenizer  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
-from test_evaluate import single_thread, tiny_lm_with_tokenizer  # noqa: E402, F401 (an autouse fixture)
 
 import hf_attnscale as hfa  # noqa: E402
 from hf_attnscale.evaluation.corpus import builtin_documents, long_documents  # noqa: E402

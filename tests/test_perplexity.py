@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_model
-from sharp_models import FAMILIES, VOCAB, tiny
+from conftest import DECODERS, SHARP_VOCAB, sharp_model, tiny_model
 
 import hf_attnscale as hfa
 
@@ -25,11 +24,11 @@ OPTIONS = {
 
 
 @pytest.mark.parametrize("options", list(OPTIONS))
-@pytest.mark.parametrize("model_type", list(FAMILIES))
+@pytest.mark.parametrize("model_type", list(DECODERS))
 def test_chunked_stream_equals_token_by_token(model_type, options):
     """Over 15 windows (sinks 2, window 8, 120 tokens), chunks of any size give the token-by-token NLL."""
-    model = hfa.patch(tiny(model_type), **OPTIONS[options])
-    ids = torch.randint(2, VOCAB, (120,))
+    model = hfa.patch(sharp_model(model_type), **OPTIONS[options])
+    ids = torch.randint(2, SHARP_VOCAB, (120,))
     reference = hfa.perplexity(model, ids, cache=hfa.SinkCache(2, 8), chunk_size=1, progress=False)
     assert reference.nll.shape == (119,)
     for chunk in (5, 8, 37, 200):
@@ -41,8 +40,8 @@ def test_chunked_stream_equals_token_by_token(model_type, options):
 
 
 def test_eager_and_window_only_streams_are_exact():
-    model = hfa.patch(tiny("llama", "eager"), scale="logn", train_length=4)
-    ids = torch.randint(2, VOCAB, (90,))
+    model = hfa.patch(sharp_model("llama", "eager"), scale="logn", train_length=4)
+    ids = torch.randint(2, SHARP_VOCAB, (90,))
     for sinks in (0, 3):
         ref = hfa.perplexity(model, ids, cache=hfa.SinkCache(sinks, 6), chunk_size=1, progress=False)
         fast = hfa.perplexity(model, ids, cache=hfa.SinkCache(sinks, 6), chunk_size=16, progress=False)
@@ -50,8 +49,8 @@ def test_eager_and_window_only_streams_are_exact():
 
 
 def test_dense_and_recompute_match_plain_loops():
-    model = hfa.patch(tiny("llama"))
-    ids = torch.randint(2, VOCAB, (40,))
+    model = hfa.patch(sharp_model("llama"))
+    ids = torch.randint(2, SHARP_VOCAB, (40,))
     with torch.no_grad():
         full = _nll(model(ids[None]).logits[0, :-1], ids[1:])
         window = 7
@@ -75,15 +74,17 @@ def test_result_summaries():
     assert result.ppl == pytest.approx(math.exp(2.0))
     torch.testing.assert_close(result.running_ppl, torch.tensor([1.0, 1.5, 2.0, 2.0]).exp())
     assert result.tokens_per_second == pytest.approx(2.0)
-    model = hfa.patch(tiny())
-    res = hfa.perplexity(model, torch.randint(2, VOCAB, (1, 30)), cache=hfa.SinkCache(2, 6), progress=False)
+    model = hfa.patch(sharp_model())
+    res = hfa.perplexity(
+        model, torch.randint(2, SHARP_VOCAB, (1, 30)), cache=hfa.SinkCache(2, 6), progress=False
+    )
     assert res.details == {"sink_tokens": 2, "window": 6, "chunk_size": 512}
     assert res.running_ppl[-1].item() == pytest.approx(res.ppl, rel=1e-5)
 
 
 def test_bad_arguments_raise():
-    model = hfa.patch(tiny())
-    ids = torch.randint(2, VOCAB, (20,))
+    model = hfa.patch(sharp_model())
+    ids = torch.randint(2, SHARP_VOCAB, (20,))
     cases = [
         {"cache": hfa.SinkCache(2, 4), "chunk_size": 0},
         {"method": "streaming"},
@@ -102,10 +103,10 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="fresh"):
         hfa.perplexity(model, ids, cache=used, progress=False)
     with pytest.raises(ValueError, match=r"hfa\.patch"):
-        hfa.perplexity(tiny(), ids, cache=hfa.SinkCache(2, 4), progress=False)
+        hfa.perplexity(sharp_model(), ids, cache=hfa.SinkCache(2, 4), progress=False)
 
 
 def test_sink_cache_on_an_encoder_raises():
     model = hfa.patch(tiny_model("bert"))
     with pytest.raises(ValueError, match="encoder"):
-        hfa.perplexity(model, torch.randint(2, VOCAB, (20,)), cache=hfa.SinkCache(2, 4), progress=False)
+        hfa.perplexity(model, torch.randint(2, SHARP_VOCAB, (20,)), cache=hfa.SinkCache(2, 4), progress=False)

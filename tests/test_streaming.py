@@ -13,8 +13,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_config
-from sharp_models import FAMILIES, VOCAB, tiny
+from conftest import DECODERS, SHARP_VOCAB, sharp_model, tiny_config
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import hf_attnscale as hfa
@@ -138,8 +137,8 @@ def test_bad_arguments_raise(sinks, window):
 
 
 def test_unpatched_model_raises():
-    model = tiny()
-    ids = torch.randint(2, VOCAB, (1, 6))
+    model = sharp_model()
+    ids = torch.randint(2, SHARP_VOCAB, (1, 6))
     with pytest.raises(ValueError, match=r"hfa\.patch"):
         model(ids, past_key_values=hfa.SinkCache(2, 4))
     hfa.patch(model)
@@ -154,12 +153,12 @@ def test_non_rope_model_raises():
     config = tiny_config("bert", is_decoder=True)
     model = hfa.patch(AutoModelForCausalLM.from_config(config).eval())
     with pytest.raises(ValueError, match="RoPE"):
-        model(torch.randint(2, VOCAB, (1, 6)), past_key_values=hfa.SinkCache(2, 4), use_cache=True)
+        model(torch.randint(2, SHARP_VOCAB, (1, 6)), past_key_values=hfa.SinkCache(2, 4), use_cache=True)
 
 
 def test_window_wider_than_models_sliding_window_raises():
-    model = hfa.patch(tiny("mistral", sliding_window=6))
-    ids = torch.randint(2, VOCAB, (1, 6))
+    model = hfa.patch(sharp_model("mistral", sliding_window=6))
+    ids = torch.randint(2, SHARP_VOCAB, (1, 6))
     with pytest.raises(ValueError, match="sliding-window"):
         model(ids, past_key_values=hfa.SinkCache(2, 7))
     model(ids, past_key_values=hfa.SinkCache(2, 6))
@@ -172,11 +171,11 @@ def test_window_wider_than_models_sliding_window_raises():
 @pytest.mark.parametrize(
     "options", [{}, {"scale": "logn", "train_length": 4, "zero_kv": True}], ids=["plain", "logn+zero_kv"]
 )
-@pytest.mark.parametrize("model_type", list(FAMILIES))
+@pytest.mark.parametrize("model_type", list(DECODERS))
 def test_attention_step_matches_hand_written_reference(model_type, options):
     """Every decoding step: the module's output equals attention over sinks + window at positions 0..S+W-1."""
     sinks, window, length = 2, 5, 16
-    model = hfa.patch(tiny(model_type), **options)
+    model = hfa.patch(sharp_model(model_type), **options)
     attn = model.model.layers[0].self_attn
     h = torch.randn(1, length, model.config.hidden_size)
     dummy = model.model.rotary_emb(h, torch.arange(length)[None])  # replaced by the streaming forward
@@ -200,8 +199,8 @@ def test_attention_step_matches_hand_written_reference(model_type, options):
 @pytest.mark.parametrize("chunks", [[1], [7], [3, 1, 1, 12]], ids=["token", "chunk7", "mixed"])
 def test_model_stream_matches_manual_reference(sinks, chunks):
     """The whole model, token by token or in chunks, equals a hand-written streaming Llama."""
-    model = hfa.patch(tiny("llama"))
-    ids = torch.randint(2, VOCAB, (1, 60))
+    model = hfa.patch(sharp_model("llama"))
+    ids = torch.randint(2, SHARP_VOCAB, (1, 60))
     with torch.no_grad():
         ref = _manual_stream_logits(model, ids[0], sinks, 6)
         out = _stream(model, ids, hfa.SinkCache(sinks, 6), chunks)[0]
@@ -212,8 +211,8 @@ def test_model_stream_matches_manual_reference(sinks, chunks):
 def test_anchor_semantics_from_start_recent(chunks):
     """StreamingLLM's own terms: each query sees start_size + recent_size earlier tokens, and itself."""
     start, recent = 2, 5
-    model = hfa.patch(tiny("llama"))
-    ids = torch.randint(2, VOCAB, (1, 50))
+    model = hfa.patch(sharp_model("llama"))
+    ids = torch.randint(2, SHARP_VOCAB, (1, 50))
     cache = hfa.SinkCache.from_start_recent(start, recent)
     assert (cache.sink_tokens, cache.window, cache.capacity) == (2, 6, 8)
     with torch.no_grad():
@@ -226,11 +225,11 @@ def test_anchor_semantics_from_start_recent(chunks):
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("model_type", list(FAMILIES))
+@pytest.mark.parametrize("model_type", list(DECODERS))
 def test_without_eviction_equals_the_plain_model(model_type, attn):
     """While everything fits, streaming changes nothing: prefill plus decode equal one dense forward."""
-    model = tiny(model_type, attn)
-    ids = torch.randint(2, VOCAB, (2, 30))
+    model = sharp_model(model_type, attn)
+    ids = torch.randint(2, SHARP_VOCAB, (2, 30))
     with torch.no_grad():
         ref = model(ids).logits
         hfa.patch(model)
@@ -240,9 +239,9 @@ def test_without_eviction_equals_the_plain_model(model_type, attn):
 
 def test_memory_is_bounded():
     """The cache's tensors never hold more than sink_tokens + window tokens per layer, whatever the stream."""
-    model = hfa.patch(tiny())
+    model = hfa.patch(sharp_model())
     cache = hfa.SinkCache(3, 7)
-    ids = torch.randint(2, VOCAB, (1, 200))
+    ids = torch.randint(2, SHARP_VOCAB, (1, 200))
     sizes = [1, 5, 1, 1, 13, 2, 40, 1]
     start, i = 0, 0
     with torch.no_grad():
@@ -256,8 +255,8 @@ def test_memory_is_bounded():
 
 
 def test_copies_reset_and_repr():
-    model = hfa.patch(tiny())
-    ids = torch.randint(2, VOCAB, (1, 40))
+    model = hfa.patch(sharp_model())
+    ids = torch.randint(2, SHARP_VOCAB, (1, 40))
     cache = hfa.SinkCache(2, 6)
     with torch.no_grad():
         first = _stream(model, ids, cache, [9])
@@ -283,8 +282,8 @@ def _generated_logits(out) -> torch.Tensor:
 
 def test_generate_fits_like_dynamic_cache():
     """Greedy, sampling and beam search equal DynamicCache while nothing is evicted."""
-    model = hfa.patch(tiny())
-    ids = torch.randint(2, VOCAB, (1, 9))
+    model = hfa.patch(sharp_model())
+    ids = torch.randint(2, SHARP_VOCAB, (1, 9))
     a = model.generate(ids, past_key_values=hfa.SinkCache(4, 40), max_new_tokens=15, **GREEDY)
     b = model.generate(ids, past_key_values=DynamicCache(config=model.config), max_new_tokens=15, **GREEDY)
     assert torch.equal(a.sequences, b.sequences)
@@ -309,9 +308,9 @@ def test_generate_fits_like_dynamic_cache():
 
 def test_generate_long_prompt_matches_reference():
     """A prompt longer than the window: the sinks stay the real first tokens, logits equal the reference."""
-    model = hfa.patch(tiny())
+    model = hfa.patch(sharp_model())
     sinks, window = 2, 6
-    ids = torch.randint(2, VOCAB, (1, 25))
+    ids = torch.randint(2, SHARP_VOCAB, (1, 25))
     cache = hfa.SinkCache(sinks, window)
     out = model.generate(ids, past_key_values=cache, max_new_tokens=20, **GREEDY)
     with torch.no_grad():
@@ -323,17 +322,17 @@ def test_generate_long_prompt_matches_reference():
 
 def test_generate_batch_with_left_padding_and_multi_turn():
     """Each row of a left-padded batch, over two generate calls sharing the cache, equals its own stream."""
-    model = hfa.patch(tiny())
+    model = hfa.patch(sharp_model())
     sinks, window = 2, 6
     lengths = [9, 20]
     prompt = torch.zeros(2, 20, dtype=torch.long)
     mask = torch.zeros(2, 20, dtype=torch.long)
     for row, length in enumerate(lengths):
-        prompt[row, 20 - length :] = torch.randint(2, VOCAB, (length,))
+        prompt[row, 20 - length :] = torch.randint(2, SHARP_VOCAB, (length,))
         mask[row, 20 - length :] = 1
     cache = hfa.SinkCache(sinks, window)
     first = model.generate(prompt, attention_mask=mask, past_key_values=cache, max_new_tokens=7, **GREEDY)
-    user = torch.randint(2, VOCAB, (2, 5))
+    user = torch.randint(2, SHARP_VOCAB, (2, 5))
     turn = torch.cat([first.sequences, user], dim=1)
     turn_mask = torch.cat([mask, torch.ones(2, turn.shape[1] - 20, dtype=torch.long)], dim=1)
     second = model.generate(turn, attention_mask=turn_mask, past_key_values=cache, max_new_tokens=6, **GREEDY)
@@ -348,9 +347,9 @@ def test_generate_batch_with_left_padding_and_multi_turn():
 
 def test_beam_search_with_eviction_scores_its_own_beams():
     """Beam search reorders the cache: each returned beam's score equals its log-probability, streamed."""
-    model = hfa.patch(tiny())
+    model = hfa.patch(sharp_model())
     sinks, window = 2, 6
-    ids = torch.randint(2, VOCAB, (1, 12))
+    ids = torch.randint(2, SHARP_VOCAB, (1, 12))
     cache = hfa.SinkCache(sinks, window)
     out = model.generate(
         ids,
@@ -373,8 +372,8 @@ def test_beam_search_with_eviction_scores_its_own_beams():
 
 
 def test_assisted_decoding_raises_clearly():
-    model = hfa.patch(tiny())
-    ids = torch.randint(2, VOCAB, (1, 8))
+    model = hfa.patch(sharp_model())
+    ids = torch.randint(2, SHARP_VOCAB, (1, 8))
     with pytest.raises(ValueError, match="cannot be cropped"):
         model.generate(
             ids,
@@ -390,8 +389,8 @@ def test_long_prompt_is_processed_in_pieces(monkeypatch):
     """A call longer than PIECE_TOKENS runs each layer in pieces: same logits, same cache, as one piece."""
     from hf_attnscale.streaming import cache as streaming
 
-    model = hfa.patch(tiny())
-    ids = torch.randint(2, VOCAB, (2, 40))
+    model = hfa.patch(sharp_model())
+    ids = torch.randint(2, SHARP_VOCAB, (2, 40))
     mask = torch.ones(2, 40, dtype=torch.long)
     mask[0, :11] = 0
     results = []
@@ -409,9 +408,9 @@ def test_long_prompt_is_processed_in_pieces(monkeypatch):
 
 def test_mask_of_new_tokens_only_raises():
     """transformers' convention: with a cache, the 2D mask covers past + new tokens; a short one is refused."""
-    model = hfa.patch(tiny())
+    model = hfa.patch(sharp_model())
     cache = hfa.SinkCache(2, 6)
-    ids = torch.randint(2, VOCAB, (1, 12))
+    ids = torch.randint(2, SHARP_VOCAB, (1, 12))
     model(ids[:, :8], attention_mask=torch.ones(1, 8, dtype=torch.long), past_key_values=cache)
     with pytest.raises(ValueError, match="past \\+ new"):
         model(ids[:, 8:], attention_mask=torch.ones(1, 4, dtype=torch.long), past_key_values=cache)
@@ -419,8 +418,8 @@ def test_mask_of_new_tokens_only_raises():
 
 def test_backend_without_dense_masks_raises():
     """flex (and flash) cannot take the band mask; the error says which backends stream."""
-    model = hfa.patch(tiny(attn="flex_attention"))
+    model = hfa.patch(sharp_model(attn="flex_attention"))
     with pytest.raises(ValueError, match="eager or sdpa"):
-        model(torch.randint(2, VOCAB, (1, 6)), past_key_values=hfa.SinkCache(2, 4))
+        model(torch.randint(2, SHARP_VOCAB, (1, 6)), past_key_values=hfa.SinkCache(2, 4))
     with pytest.raises(ValueError, match="eager or sdpa"):
-        hfa.perplexity(model, torch.randint(2, VOCAB, (20,)), cache=hfa.SinkCache(2, 4), progress=False)
+        hfa.perplexity(model, torch.randint(2, SHARP_VOCAB, (20,)), cache=hfa.SinkCache(2, 4), progress=False)

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from sharp_models import VOCAB, tiny
+from conftest import SHARP_VOCAB, sharp_model
 
 import hf_attnscale as hfa
 
@@ -67,8 +67,8 @@ def _reference_nll(model, ids: torch.Tensor, positions: range) -> torch.Tensor:
 
 def test_a_million_tokens_stay_exact_and_bounded():
     torch.manual_seed(0)
-    model = hfa.patch(tiny("llama", num_hidden_layers=1))
-    ids = torch.randint(2, VOCAB, (PAST + 50_002,), generator=torch.Generator().manual_seed(3))
+    model = hfa.patch(sharp_model("llama", num_hidden_layers=1))
+    ids = torch.randint(2, SHARP_VOCAB, (PAST + 50_002,), generator=torch.Generator().manual_seed(3))
     cache = hfa.SinkCache(SINKS, WINDOW)
     streamed = hfa.perplexity(model, ids, cache=cache, chunk_size=4096, progress=False).nll
     assert all(layer.keys.shape[-2] <= SINKS + WINDOW for layer in cache.layers)  # memory stays flat
@@ -82,8 +82,8 @@ def test_a_million_tokens_stay_exact_and_bounded():
 def test_token_by_token_past_two_to_the_twentieth():
     """Decoding one token at a time from position 2**20 - 5000 (rebases included) equals the reference."""
     torch.manual_seed(0)
-    model = hfa.patch(tiny("llama", num_hidden_layers=1))
-    ids = torch.randint(2, VOCAB, (PAST + 5_002,), generator=torch.Generator().manual_seed(4))
+    model = hfa.patch(sharp_model("llama", num_hidden_layers=1))
+    ids = torch.randint(2, SHARP_VOCAB, (PAST + 5_002,), generator=torch.Generator().manual_seed(4))
     cache = hfa.SinkCache(SINKS, WINDOW)
     first = PAST - 5_000
     nll = []
@@ -99,8 +99,8 @@ def test_token_by_token_past_two_to_the_twentieth():
 
 def test_token_by_token_equals_chunked_over_100k_tokens():
     torch.manual_seed(0)
-    model = hfa.patch(tiny("llama", num_hidden_layers=2))
-    ids = torch.randint(2, VOCAB, (100_001,), generator=torch.Generator().manual_seed(5))
+    model = hfa.patch(sharp_model("llama", num_hidden_layers=2))
+    ids = torch.randint(2, SHARP_VOCAB, (100_001,), generator=torch.Generator().manual_seed(5))
     chunked = hfa.perplexity(model, ids, cache=hfa.SinkCache(SINKS, WINDOW), chunk_size=2048, progress=False)
     stepped = hfa.perplexity(model, ids, cache=hfa.SinkCache(SINKS, WINDOW), chunk_size=1, progress=False)
     assert float((chunked.nll - stepped.nll).abs().max()) < 1e-4
