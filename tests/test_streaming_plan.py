@@ -25,20 +25,22 @@ def _plan_fields(plan) -> dict:
     return {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if not f.name.startswith("_")}
 
 
+@pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("sinks, window", [(4, 6), (1, 3), (0, 5), (3, 1), (2, 30)])
-def test_decoding_plan_equals_the_general_plan(sinks, window):
+def test_decoding_plan_equals_the_general_plan(sinks, window, batch):
     """Rows with different padding histories, prompts appended as chunks, rebases: at every decoding step the
-    short path gives the general plan field for field, and the stream goes on from the general plan."""
+    short paths (one row: in Python numbers) give the general plan field for field, and the stream goes on
+    from the general plan."""
     generator = torch.Generator().manual_seed(sinks * 100 + window)
-    books = Bookkeeping.empty(3, sinks, torch.device("cpu"))
+    books = Bookkeeping.empty(batch, sinks, torch.device("cpu"))
     decoded = 0
     for step in range(6 * (sinks + window) + 20):
         if step % 17 == 0:  # a chunk with padding in some rows (appended, compacted)
-            new_valid = torch.rand(3, 5, generator=generator) > 0.3
+            new_valid = torch.rand(batch, 5, generator=generator) > 0.3
             new_valid[:, -1] = True
             plan = build_plan(books, new_valid, sinks, window, torch.float32, in_place=False)
         else:
-            new_valid = torch.ones(3, 1, dtype=torch.bool)
+            new_valid = torch.ones(batch, 1, dtype=torch.bool)
             plan = build_plan(books, new_valid, sinks, window, torch.float32, in_place=True)
             fast = build_plan(books, new_valid, sinks, window, torch.float32, in_place=True, all_valid=True)
             general, short = _plan_fields(plan), _plan_fields(fast)

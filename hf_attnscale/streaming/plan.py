@@ -180,6 +180,8 @@ def _decode_plan(
 ) -> StepPlan | None:
     """`build_plan` for one real token per row written in place, in a third of the tensor operations (a
     decoding step of a small model costs little more than them). None when a row has no free slot."""
+    if before.rank.shape[0] == 1 and before.rank.device.type == "cpu":
+        return _decode_plan_one_row(before, new_valid, sinks, window, dtype)
     capacity = sinks + window
     token = before.seen_valid  # each row's new token: its rank
     seen_valid = token + 1
@@ -216,6 +218,60 @@ def _decode_plan(
         new_sink_rank=token.masked_fill(~is_sink, -1)[:, None] if bool(is_sink.any()) else None,
         write_slot=write_slot,
         mask=_additive(visible[:, None], dtype, decoding=True),
+        keep_index=None,
+    )
+
+
+def _decode_plan_one_row(
+    before: Bookkeeping, new_valid: torch.Tensor, sinks: int, window: int, dtype: torch.dtype
+) -> StepPlan | None:
+    """`_decode_plan` for one stream on the CPU, worked out in Python numbers: a handful of small tensors
+    instead of some thirty tensor operations.
+
+    It relies on what every plan leaves behind: window slots hold ranks of at least ``seen_valid - (W - 1)``
+    (or -1), so this step evicts at most the one of rank ``token + 1 - W``.
+    """
+    capacity = sinks + window
+    token, base = int(before.seen_valid), int(before.base)
+    ranks = before.rank[0].tolist()
+    if token + 1 - base > 2 * capacity:
+        new_base = max(0, token - capacity)
+        rebase = torch.tensor([new_base - base])
+    else:
+        new_base, rebase = base, None
+    if token < sinks:
+        slot = token
+    elif -1 in ranks[sinks:]:
+        slot = ranks.index(-1, sinks)
+    else:
+        return None
+    ranks[slot] = token
+    key_rank = torch.tensor([ranks])
+    visible = key_rank >= 0 if -1 in ranks else None  # None: every slot is read
+    stale = token + 1 - window
+    if stale >= sinks and stale in ranks[sinks:]:
+        ranks[ranks.index(stale, sinks)] = -1
+    offset = max(0, token - (capacity - 1)) - new_base
+    return StepPlan(
+        before=before,
+        after=Bookkeeping(
+            torch.tensor([ranks]),
+            torch.tensor([token + 1]),
+            before.base if rebase is None else torch.tensor([new_base]),
+            before.seen + 1,
+        ),
+        new_valid=new_valid,
+        dtype=dtype,
+        in_place=True,
+        mode=Mode.SINGLE,
+        sinks=sinks,
+        new_positions=torch.tensor([[token - new_base]]),
+        sink_positions=torch.arange(offset, offset + sinks)[None],
+        mid_positions=None,
+        rebase=rebase,
+        new_sink_rank=torch.tensor([[token]]) if token < sinks else None,
+        write_slot=torch.tensor([slot]),
+        mask=None if visible is None else _additive(visible[:, None], dtype, decoding=True),
         keep_index=None,
     )
 
