@@ -232,11 +232,11 @@ def _decode_plan_one_row(
     (or -1), so this step evicts at most the one of rank ``token + 1 - W``.
     """
     capacity = sinks + window
-    token, base = int(before.seen_valid), int(before.base)
-    ranks = before.rank[0].tolist()
+    token, base = before.seen_valid.item(), before.base.item()
+    ranks = before.rank.tolist()[0]
     if token + 1 - base > 2 * capacity:
         new_base = max(0, token - capacity)
-        rebase = torch.tensor([new_base - base])
+        rebase = _long(new_base - base, 1)
     else:
         new_base, rebase = base, None
     if token < sinks:
@@ -246,34 +246,36 @@ def _decode_plan_one_row(
     else:
         return None
     ranks[slot] = token
-    key_rank = torch.tensor([ranks])
-    visible = key_rank >= 0 if -1 in ranks else None  # None: every slot is read
+    rank = before.rank.clone()
+    rank[0, slot] = token
+    visible = rank >= 0 if -1 in ranks else None  # None: every slot is read
     stale = token + 1 - window
     if stale >= sinks and stale in ranks[sinks:]:
-        ranks[ranks.index(stale, sinks)] = -1
+        rank[0, ranks.index(stale, sinks)] = -1
     offset = max(0, token - (capacity - 1)) - new_base
     return StepPlan(
         before=before,
         after=Bookkeeping(
-            torch.tensor([ranks]),
-            torch.tensor([token + 1]),
-            before.base if rebase is None else torch.tensor([new_base]),
-            before.seen + 1,
+            rank, _long(token + 1, 1), before.base if rebase is None else _long(new_base, 1), before.seen + 1
         ),
         new_valid=new_valid,
         dtype=dtype,
         in_place=True,
         mode=Mode.SINGLE,
         sinks=sinks,
-        new_positions=torch.tensor([[token - new_base]]),
+        new_positions=_long(token - new_base, 1, 1),
         sink_positions=torch.arange(offset, offset + sinks)[None],
         mid_positions=None,
         rebase=rebase,
-        new_sink_rank=torch.tensor([[token]]) if token < sinks else None,
-        write_slot=torch.tensor([slot]),
+        new_sink_rank=_long(token, 1, 1) if token < sinks else None,
+        write_slot=_long(slot, 1),
         mask=None if visible is None else _additive(visible[:, None], dtype, decoding=True),
         keep_index=None,
     )
+
+
+def _long(value: int, *shape: int) -> torch.Tensor:
+    return torch.full(shape, value, dtype=torch.long)
 
 
 def _new_base(
