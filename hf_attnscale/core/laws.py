@@ -27,14 +27,13 @@ def query_multiplier(
     Returns:
         ``(B, 1, Tq)`` for fixed laws, ``(B, H, Tq)`` for ssmax; float32.
     """
+    if config.scale == "none":
+        raise ValueError("No multiplier for scale='none'.")
     log_n = n.float().clamp_min(1.0).log()
-    log_l = math.log(config.train_length)
-    if config.scale == "logn":
-        mult = log_n / log_l
-    elif config.scale == "gradmax":
-        mult = (log_n / log_l).sqrt()
-    elif config.scale == "ssmax":
+    if config.scale == "ssmax":
         mult = ssmax_slope.float().view(1, -1, 1) * log_n
     else:
-        raise ValueError(f"No multiplier for scale={config.scale!r}.")
+        mult = log_n / math.log(config.train_length)
+        if config.scale == "gradmax":
+            mult = mult.sqrt()
     return mult.clamp_min(1.0) if config.clamp else mult
