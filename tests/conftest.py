@@ -3,8 +3,8 @@
 * `tiny_model`: a tiny model of one of the main families (`DECODERS`, `ENCODERS`), default initialisation;
 * `sharp_model`: a tiny RoPE decoder with weights large enough that attention is sharp and positions matter
   (the streaming and perplexity tests);
-* `tiny_lm_with_tokenizer`: a Llama with a BPE tokenizer trained on stdlib text (the evaluation, CLI and
-  lm-eval tests);
+* `tiny_lm_with_tokenizer`, `tiny_mlm_with_tokenizer`: a Llama or a BERT masked LM with a BPE tokenizer
+  trained on stdlib text (the evaluation, CLI and lm-eval tests);
 * every supported model type: `model_zoo`; the eager reference attention: `reference`.
 """
 
@@ -15,7 +15,15 @@ import math
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    BertConfig,
+    BertForMaskedLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 from hf_attnscale.evaluation.corpus import builtin_documents
 from hf_attnscale.training.lm import train_tokenizer
@@ -148,6 +156,23 @@ def tiny_lm_with_tokenizer(vocab_size: int = 320, max_position_embeddings: int =
         initializer_range=0.2,
     )
     return LlamaForCausalLM(config).eval(), tokenizer
+
+
+def tiny_mlm_with_tokenizer(max_position_embeddings: int = 128, **overrides):
+    """A random 1-layer BERT masked LM and the tokenizer of `tiny_lm_with_tokenizer`, with a ``<mask>`` token."""
+    _, tokenizer = tiny_lm_with_tokenizer()
+    tokenizer.add_special_tokens({"mask_token": "<mask>"})
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=max_position_embeddings,
+        **overrides,
+    )
+    return BertForMaskedLM(config).eval(), tokenizer
 
 
 def random_documents(lengths: list[int], seed: int = 0) -> list[torch.Tensor]:

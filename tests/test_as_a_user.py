@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import VOCAB, tiny_lm_with_tokenizer, tiny_model
+from conftest import VOCAB, tiny_lm_with_tokenizer, tiny_mlm_with_tokenizer, tiny_model
 
 import hf_attnscale as hfa
 from hf_attnscale.cli import main
@@ -146,21 +146,7 @@ def test_eval_command_runs_the_saved_patch(saved_lm, tmp_path):
 
 
 def test_eval_measures_an_encoder_by_mlm(tmp_path):
-    from transformers import BertConfig, BertForMaskedLM
-
-    _, tokenizer = tiny_lm_with_tokenizer()
-    tokenizer.add_special_tokens({"mask_token": "<mask>"})
-    torch.manual_seed(0)
-    bert = BertForMaskedLM(
-        BertConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            intermediate_size=64,
-            max_position_embeddings=128,
-        )
-    )
+    bert, tokenizer = tiny_mlm_with_tokenizer()
     path = tmp_path / "bert"
     bert.save_pretrained(path)
     tokenizer.save_pretrained(path)

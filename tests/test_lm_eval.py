@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -16,7 +15,7 @@ import torch
 
 lm_eval = pytest.importorskip("lm_eval")
 
-from conftest import tiny_lm_with_tokenizer  # noqa: E402
+from conftest import tiny_lm_with_tokenizer, tiny_mlm_with_tokenizer  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
@@ -221,27 +220,11 @@ def test_eval_configs_index_and_build_the_builtin_tasks():
         assert abs(len(tokenizer(doc["text"])["input_ids"]) - 4096) <= 2  # cut at a token boundary
 
 
-def test_an_encoder_is_scored_by_pseudo_likelihood(tiny, texts, manager, tmp_path):
+def test_an_encoder_is_scored_by_pseudo_likelihood(texts, manager, tmp_path):
     """A saved masked LM through the lm-eval route: word perplexity from the pseudo-log-likelihood."""
-    from transformers import BertConfig, BertForMaskedLM
-
     from hf_attnscale.evaluation.mlm import masked_one_at_a_time
 
-    _, tokenizer = tiny
-    tokenizer = copy.deepcopy(tokenizer)
-    tokenizer.add_special_tokens({"mask_token": "<mask>"})
-    torch.manual_seed(0)
-    bert = BertForMaskedLM(
-        BertConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            intermediate_size=64,
-            max_position_embeddings=64,
-            initializer_range=0.2,
-        )
-    )
+    bert, tokenizer = tiny_mlm_with_tokenizer(max_position_embeddings=64, initializer_range=0.2)
     hfa.patch(bert, scale="logn", train_length=8)
     bert.save_pretrained(tmp_path / "bert")
     tokenizer.save_pretrained(tmp_path / "bert")
