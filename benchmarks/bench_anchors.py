@@ -4,8 +4,9 @@ The anchor runs in its own benchmark-only venv (transformers 4.33, as its README
 `anchor_streaming_llm.py`; this side runs `hfa.perplexity` with ``SinkCache.from_start_recent(S, R)`` (the
 anchor's ``start_size=S, recent_size=R``), token by token (``chunk_size=1``, the anchor's method) and chunked
 (the default). Both load the shipped tiny Llama from its folder and score the first ``--tokens`` tokens of a
-held-out stdlib document. Runs are interleaved (anchor, token by token, chunked) for each repeat; each
-reports the median tokens/s and the per-token NLL difference.
+held-out stdlib document. Every run is a fresh process, as the anchor's is, and times only its loop; runs are
+interleaved (anchor, token by token, chunked, transformers' own plain-cache loop) for each repeat; the table
+gives the median tokens/s and the per-token NLL difference.
 
 Setting up the anchor (once; nothing of it is committed):
 
@@ -40,6 +41,7 @@ from hf_attnscale.evaluation.models import default_model_path, load_default_mode
 
 ANCHOR_LOOP = Path(__file__).with_name("anchor_streaming_llm.py")
 STOCK = "transformers v5 floor (unpatched, plain cache)"
+PATHS = {"token by token": 1, "chunked": 512}  # hfa.perplexity's chunk_size for each path
 
 
 @torch.no_grad()
@@ -55,6 +57,29 @@ def stock_loop(model, ids: torch.Tensor, size: int) -> float:
         for layer in cache.layers:
             layer.keys, layer.values = layer.keys[:, :, -size:], layer.values[:, :, -size:]
     return (len(ids) - 1) / (time.perf_counter() - start)
+
+
+def worker(path: str, ids_file: str, start: int, recent: int, threads: int) -> dict:
+    """One timed run of one path of this side, in a fresh process as the anchor's is (only the loop timed)."""
+    torch.set_num_threads(threads)
+    ids = torch.tensor(json.loads(Path(ids_file).read_text()))
+    model, _ = load_default_model()
+    if path == STOCK:
+        return {"tokens_per_second": stock_loop(model, ids, start + recent + 1), "nll": None}
+    hfa.patch(model)
+    cache = hfa.SinkCache.from_start_recent(start, recent)
+    result = hfa.perplexity(model, ids, cache=cache, chunk_size=PATHS[path], progress=False)
+    return {"tokens_per_second": result.tokens_per_second, "nll": result.nll.tolist()}
+
+
+def run_worker(args, path: str, ids_file: str, start: int, recent: int) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        command = [
+            sys.executable, __file__, "--worker", path, "--ids", ids_file, "--start-recent", f"{start}+{recent}",
+            "--threads", str(args.threads), "--out", out.name,
+        ]  # fmt: skip
+        subprocess.run(command, check=True, capture_output=True)
+        return json.loads(Path(out.name).read_text())
 
 
 def run_anchor(args, ids_file: str, start: int, recent: int) -> dict:
@@ -80,12 +105,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--configs", nargs="+", default=["4+252", "4+60"], help="start_size+recent_size")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    if "--worker" in (argv if argv is not None else sys.argv[1:]):  # internal: one timed run, see `worker`
+        internal = argparse.ArgumentParser()
+        for name in ("--worker", "--ids", "--start-recent", "--out"):
+            internal.add_argument(name, required=True)
+        internal.add_argument("--threads", type=int, default=1)
+        job = internal.parse_args(argv)
+        start, recent = (int(x) for x in job.start_recent.split("+"))
+        Path(job.out).write_text(json.dumps(worker(job.worker, job.ids, start, recent, job.threads)))
+        return
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    model, tokenizer = load_default_model()
-    stock, _ = load_default_model()
-    hfa.patch(model)
+    _, tokenizer = load_default_model()
     document = long_documents("heldout", args.tokens, tokenizer)[0]
     ids = torch.tensor(tokenizer(document.text)["input_ids"][: args.tokens])
     rows = []
@@ -99,14 +131,12 @@ def main(argv: list[str] | None = None) -> None:
                 anchor = run_anchor(args, f.name, start, recent)
                 anchor_nll = torch.tensor(anchor["nll"])
                 speed["anchor"].append(anchor["tokens_per_second"])
-                for name, chunk in (("token by token", 1), ("chunked", 512)):
-                    cache = hfa.SinkCache.from_start_recent(start, recent)
-                    result = hfa.perplexity(model, ids, cache=cache, chunk_size=chunk, progress=False)
-                    speed[name].append(result.tokens_per_second)
-                    diff = (result.nll - anchor_nll).abs()
-                    if repeat == 0:
+                for name in (*PATHS, STOCK):
+                    result = run_worker(args, name, f.name, start, recent)
+                    speed[name].append(result["tokens_per_second"])
+                    if repeat == 0 and result["nll"] is not None:
+                        diff = (torch.tensor(result["nll"]) - anchor_nll).abs()
                         rows.append((config, name, diff.max().item(), diff.mean().item(), speed[name]))
-                speed[STOCK].append(stock_loop(stock, ids, start + recent + 1))
                 print(config, {k: f"{v[-1]:.1f}" for k, v in speed.items()}, flush=True)
             rows.append((config, "anchor", 0.0, 0.0, speed["anchor"]))
             rows.append((config, STOCK, None, None, speed[STOCK]))
