@@ -23,8 +23,8 @@ from hf_attnscale.validation import check_int
 from .plan import Bookkeeping, Mode, StepPlan, build_plan
 from .pos_shift import (
     UNPATCHED_MESSAGE,
-    check_backend,
     check_sliding_window,
+    check_streaming_backend,
     layer_rotates,
     new_token_validity,
     no_rotation,
@@ -366,7 +366,7 @@ class SinkCache(Cache):
     def _begin_call(self, module: nn.Module) -> None:
         """A new model call (its first attention layer): check the model as it is now, drop stale plans."""
         model_config = module.config.model_config
-        check_backend(model_config._attn_implementation)
+        check_streaming_backend(model_config._attn_implementation)
         if model_config is not self._served_config:  # a family's refusal depends on its config alone
             reason = streaming_refusal(model_config)
             if reason:

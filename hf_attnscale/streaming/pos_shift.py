@@ -57,7 +57,7 @@ def check_streaming_model(model: nn.Module) -> None:
             f"SinkCache cannot find the one rotary embedding module of this {type(root).__name__} "
             "(none, or several to choose between), so it cannot place keys inside the cache."
         )
-    check_backend(root.config._attn_implementation)
+    check_streaming_backend(root.config._attn_implementation)
 
 
 def streaming_refusal(model_config) -> str | None:
@@ -72,13 +72,13 @@ def streaming_refusal(model_config) -> str | None:
     return None if reason is None else f"SinkCache cannot stream model_type {model_type!r}: {reason}."
 
 
-def check_backend(attn_implementation: str | None) -> None:
-    """Raise ValueError unless the backend takes the dense band mask streaming needs (eager, sdpa)."""
+def check_streaming_backend(attn_implementation: str | None) -> None:
+    """Raise ValueError unless the backend takes the dense band mask streaming needs (`STREAMING_BACKENDS`)."""
     inner = attn_implementation or "eager"
     if inner not in STREAMING_BACKENDS:
         raise ValueError(
-            f"SinkCache streaming needs eager or sdpa attention (its band mask is a dense 4D mask); this model "
-            f"uses {inner!r}. Switch with model.set_attn_implementation('sdpa')."
+            f"SinkCache streaming needs {' or '.join(STREAMING_BACKENDS)} attention (its band mask is a dense 4D "
+            f"mask); this model uses {inner!r}. Switch with model.set_attn_implementation('sdpa')."
         )
 
 
