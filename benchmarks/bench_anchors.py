@@ -72,27 +72,28 @@ def worker(path: str, ids_file: str, start: int, recent: int, threads: int) -> d
     return {"tokens_per_second": result.tokens_per_second, "nll": result.nll.tolist()}
 
 
-def run_worker(args, path: str, ids_file: str, start: int, recent: int) -> dict:
+def run_json(command: list[str], env: dict | None = None) -> dict:
+    """Run ``command --out FILE`` (one timed run, in a fresh process) and return the JSON it writes."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        command = [
-            sys.executable, __file__, "--worker", path, "--ids", ids_file, "--start-recent", f"{start}+{recent}",
-            "--threads", str(args.threads), "--out", out.name,
-        ]  # fmt: skip
-        subprocess.run(command, check=True, capture_output=True)
+        subprocess.run([*command, "--out", out.name], env=env, check=True, capture_output=True)
         return json.loads(Path(out.name).read_text())
+
+
+def run_worker(args, path: str, ids_file: str, start: int, recent: int) -> dict:
+    """One run of one path of this side (see `worker`)."""
+    return run_json([
+        sys.executable, __file__, "--worker", path, "--ids", ids_file, "--start-recent", f"{start}+{recent}",
+        "--threads", str(args.threads),
+    ])  # fmt: skip
 
 
 def run_anchor(args, ids_file: str, start: int, recent: int) -> dict:
     """One run of the anchor's loop in its venv; returns its NLLs and tokens/s."""
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        env = {**os.environ, "PYTHONPATH": str(args.anchor_src), "TOKENIZERS_PARALLELISM": "false"}
-        command = [
-            args.anchor_python, str(ANCHOR_LOOP), "--model", str(default_model_path()), "--ids", ids_file,
-            "--start-size", str(start), "--recent-size", str(recent), "--threads", str(args.threads),
-            "--out", out.name,
-        ]  # fmt: skip
-        subprocess.run(command, env=env, check=True, capture_output=True)
-        return json.loads(Path(out.name).read_text())
+    env = {**os.environ, "PYTHONPATH": str(args.anchor_src), "TOKENIZERS_PARALLELISM": "false"}
+    return run_json([
+        args.anchor_python, str(ANCHOR_LOOP), "--model", str(default_model_path()), "--ids", ids_file,
+        "--start-size", str(start), "--recent-size", str(recent), "--threads", str(args.threads),
+    ], env)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -136,11 +136,9 @@ class SinkCacheLayer(CacheLayerMixin):
         if plan.write_slot is not None:  # decoding (no autograd): one token into a free slot, nothing copied
             _write(keys, new_keys, plan.write_slot)
             _write(values, value_states, plan.write_slot)
-        else:
-            keys, values = torch.cat([keys, new_keys], dim=2), torch.cat([values, value_states], dim=2)
-        if plan.write_slot is not None:
             keys[:, :, :sinks] = self._decoding_sinks(rope, sink_keys, turns["sinks"])
         else:
+            keys, values = torch.cat([keys, new_keys], dim=2), torch.cat([values, value_states], dim=2)
             keys = torch.cat([rotate_keys(rope, sink_keys, turns["sinks"]), keys[:, :, sinks:]], dim=2)
         out = _doubled(rope, keys, values, sink_keys, turns) if plan.mode is Mode.DOUBLED else (keys, values)
         if plan.keep_index is not None:
@@ -343,11 +341,11 @@ class SinkCache(Cache):
         new_valid, all_valid = self._new_validity(attention_mask, batch, q_len, hidden_states.device)
         rope, table = self._module_rotation(module, hidden_states, position_embeddings, kwargs)
         outputs, weights = [], None
+        pieces = q_len > PIECE_TOKENS
         for start in range(0, q_len, PIECE_TOKENS):
             # A long prompt: this layer's queries in pieces, each reading the cache the previous piece left.
             # Exact (a token's output depends only on earlier tokens); memory stays O(piece x (S + W + piece)).
             piece = slice(start, start + PIECE_TOKENS)
-            pieces = q_len > PIECE_TOKENS
             plan = self.plan(
                 module.layer_idx, new_valid[:, piece] if pieces else new_valid, hidden_states.dtype, all_valid
             )

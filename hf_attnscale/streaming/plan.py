@@ -239,19 +239,17 @@ def _decode_plan_one_row(
         rebase = _long(new_base - base, 1)
     else:
         new_base, rebase = base, None
-    if token < sinks:
-        slot = token
-    elif -1 in ranks[sinks:]:
-        slot = ranks.index(-1, sinks)
-    else:
+    slot = token if token < sinks else _window_slot(ranks, -1, sinks)
+    if slot is None:
         return None
     ranks[slot] = token
     rank = before.rank.clone()
     rank[0, slot] = token
     visible = rank >= 0 if -1 in ranks else None  # None: every slot is read
-    stale = token + 1 - window
-    if stale >= sinks and stale in ranks[sinks:]:
-        rank[0, ranks.index(stale, sinks)] = -1
+    stale = token + 1 - window  # the one rank this step can evict (window slots never hold a sink's rank)
+    evicted = _window_slot(ranks, stale, sinks) if stale >= sinks else None
+    if evicted is not None:
+        rank[0, evicted] = -1
     offset = max(0, token - (capacity - 1)) - new_base
     return StepPlan(
         before=before,
@@ -272,6 +270,14 @@ def _decode_plan_one_row(
         mask=None if visible is None else _additive(visible[:, None], dtype, decoding=True),
         keep_index=None,
     )
+
+
+def _window_slot(ranks: list[int], rank: int, sinks: int) -> int | None:
+    """The first window slot (past the ``sinks`` reserved ones) holding ``rank``, or None."""
+    try:
+        return ranks.index(rank, sinks)
+    except ValueError:
+        return None
 
 
 def _long(value: int, *shape: int) -> torch.Tensor:

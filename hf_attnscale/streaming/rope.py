@@ -50,10 +50,10 @@ class RopeTable:
         self.scaling = None if scaling is None else float(scaling)
         check = torch.arange(min(length, LAYOUT_CHECK_POSITIONS), device=device)[None]
         computed = self._computed(check) if self.inv_freq is not None and self.scaling is not None else None
+        wanted = [want[:, : check.shape[1]] for want in reference]
         self.exact = computed is not None and all(
-            got.shape == want[:, : check.shape[1]].shape
-            and torch.allclose(got.float(), want[:, : check.shape[1]].float(), atol=1e-5)
-            for got, want in zip(computed, reference)
+            got.shape == want.shape and torch.allclose(got.float(), want.float(), atol=1e-5)
+            for got, want in zip(computed, wanted)
         )
         if not self.exact and any(kind in LENGTH_DEPENDENT for kind in _rope_types(rotary)):
             raise ValueError(
