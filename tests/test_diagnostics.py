@@ -11,6 +11,7 @@ from conftest import VOCAB, tiny_model
 import hf_attnscale as hfa
 from hf_attnscale.diagnostics import activation_outliers, attention_statistics
 from hf_attnscale.diagnostics.outliers import kurtosis
+from hf_attnscale.diagnostics.quantization import fake_quantized, quantize_symmetric
 
 
 def _uniform(model_type: str = "llama", **overrides):
@@ -112,3 +113,42 @@ def test_plots_are_written(tmp_path):
     ids = torch.randint(3, VOCAB, (1, 32))
     assert attention_statistics(model, ids).plot(tmp_path / "a.png").stat().st_size > 10_000
     assert activation_outliers(model, ids).plot(tmp_path / "o.png").stat().st_size > 10_000
+
+
+def test_symmetric_int8_rounding_by_hand():
+    x = torch.tensor([[254.0, -127.0, 1.0], [0.5, 0.25, -0.1]])
+    # Per tensor: absmax 254, step 2: 1 rounds to 2 (1/2 = 0.5 rounds to even 0 -> 0), small values vanish.
+    torch.testing.assert_close(quantize_symmetric(x), torch.tensor([[254.0, -128.0, 0.0], [0.0, 0.0, 0.0]]))
+    # Per row (dim=0): the second row keeps its own step 0.5/127.
+    step = 0.5 / 127
+    expected = torch.tensor(
+        [[254.0, -128.0, 0.0], [0.5, round(0.25 / step) * step, round(-0.1 / step) * step]]
+    )
+    torch.testing.assert_close(quantize_symmetric(x, dim=0), expected)
+
+
+def test_w8a8_runs_quantised_linears_and_restores_the_model():
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    ids = torch.randint(3, VOCAB, (1, 16))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        exact = model(ids).logits
+        linear = model.model.layers[0].mlp.down_proj
+        x = torch.randn(4, linear.in_features)
+        x[0, 0] = 1e3  # one outlier sets the input's scale
+        with fake_quantized(model):
+            quantized = model(ids).logits
+            got = linear(x)
+        want = torch.nn.functional.linear(
+            quantize_symmetric(x), quantize_symmetric(linear.weight, dim=0), linear.bias
+        )
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        # The outlier's scale (1e3/127 ~ 7.9) rounds every ordinary input to 0.
+        assert quantize_symmetric(x)[1:].abs().max() == 0
+        assert 0 < (quantized - exact).abs().max() < 0.5 * exact.abs().max()
+        torch.testing.assert_close(model(ids).logits, exact, rtol=0, atol=0)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    with pytest.raises(ValueError, match=r"no nn\.Linear"), fake_quantized(torch.nn.Embedding(3, 2)):
+        pass
