@@ -7,7 +7,7 @@ applied after every step. Only the loop is timed (not the process start or the m
 
     ANCHOR=/path/to/streaming-llm   # a checkout of mit-han-lab/streaming-llm (its streaming_llm/ package)
     PYTHONPATH=$ANCHOR /path/to/anchor-venv/bin/python benchmarks/anchor_streaming_llm.py \
-        --model DIR --ids ids.json --start-size 4 --recent-size 252 --out nll.json
+        --model DIR --ids ids.json --start-size 4 --recent-size 124 --out nll.json
 """
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--anchor-python", required=True, help="python of the venv with transformers 4.33")
     parser.add_argument("--anchor-src", required=True, type=Path, help="a copy of mit-han-lab/streaming-llm")
     parser.add_argument("--tokens", type=int, default=4000)
-    parser.add_argument("--configs", nargs="+", default=["4+252", "4+60"], help="start_size+recent_size")
+    parser.add_argument("--configs", nargs="+", default=["4+124", "4+60"], help="start_size+recent_size")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     if "--worker" in (argv if argv is not None else sys.argv[1:]):  # internal: one timed run, see `worker`

@@ -37,7 +37,7 @@ def base_model(name: str) -> tuple[torch.nn.Module, int]:
         from hf_attnscale.evaluation.models import load_default_model
 
         model, _ = load_default_model()
-        return model, 256
+        return model, model.config.max_position_embeddings
     return build_model("cpu", torch.float32), 512
 
 

@@ -1,11 +1,11 @@
 """LoRA fine-tuning of the shipped small Llama past its trained length, with a learnable sink plus logn.
 
-The model that ships with hf_attnscale was trained at 256 tokens on the Python standard library's sources.
-This script patches it (``scale="logn"`` with ``train_length=256``, plus a learnable per-head sink logit, or
+The model that ships with hf_attnscale was trained at 128 tokens on the Python standard library's sources.
+This script patches it (``scale="logn"`` with ``train_length=128``, plus a learnable per-head sink logit, or
 ``--exit zero_kv``), trains LoRA adapters on the attention projections together with the sink logits on
-512-token windows of the training split, and prints held-out perplexity at 1x, 2x, 4x and 8x the trained
+256-token windows (2x) of the training split, and prints held-out perplexity at 1x, 2x, 4x and 8x the trained
 length: for the model as shipped, patched before fine-tuning, and patched after. Every length scores the
-same tokens (the first ``8 x 256`` tokens of each held-out document) in non-overlapping windows, so the
+same tokens (the first ``8 x 128`` tokens of each held-out document) in non-overlapping windows, so the
 columns differ only in how much context each token gets. Nothing is downloaded. About 2 minutes on 2 CPU
 cores with the defaults (3 with ``--control``); measured results are in benchmarks/RESULTS.md.
 
@@ -32,7 +32,7 @@ import hf_attnscale as hfa
 from hf_attnscale.evaluation.corpus import builtin_documents, long_documents
 from hf_attnscale.evaluation.models import load_default_model
 
-TRAINED_LENGTH = 256
+TRAINED_LENGTH = 128
 MULTIPLES = (1, 2, 4, 8)
 
 

@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo",
         help="shipped model and corpus: attention variants at 1x..16x the trained length",
-        description="Evaluate the shipped tiny Llama (trained at 256 tokens, a BOS token opening every "
+        description="Evaluate the shipped tiny Llama (trained at 128 tokens, a BOS token opening every "
         "window) on the built-in held-out corpus at 1x, 2x, 4x, 8x and 16x its trained length: unpatched, "
         "logn, window-only and sink+window streaming with a cache of the trained length, and sink+window "
         "and streaming+logn with twice that. Needs no arguments and no network; a few minutes on two CPU "
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEMO_DOCUMENTS,
         help=f"held-out documents to evaluate (default {DEMO_DOCUMENTS}; more is slower and steadier)",
     )
-    demo.add_argument("--lengths", type=_lengths, help="override the lengths, e.g. 256,512,1k")
+    demo.add_argument("--lengths", type=_lengths, help="override the lengths, e.g. 128,256,1k")
     _add_runtime_options(demo)
     demo.set_defaults(run=run_demo)
 

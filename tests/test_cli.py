@@ -133,14 +133,14 @@ def test_bad_lengths_are_rejected_by_the_parser(capsys):
 @pytest.mark.skipif(not (default_model_path() / "config.json").is_file(), reason="shipped checkpoint missing")
 def test_demo_runs_the_shipped_model(tmp_path, capsys):
     # The full demo takes minutes; one document and two lengths exercise the same path.
-    code, out, err = run(capsys, "demo", "--documents", "1", "--lengths", "256,512", "--out", str(tmp_path))
+    code, out, err = run(capsys, "demo", "--documents", "1", "--lengths", "128,256", "--out", str(tmp_path))
     assert code == 0, err
     saved = json.loads((tmp_path / "results.json").read_text())
-    assert saved["train_length"] == 256 and saved["model"] == "builtin:tiny-llama-stdlib"
+    assert saved["train_length"] == 128 and saved["model"] == "builtin:tiny-llama-stdlib"
     # Segments are read behind BOS (L + 1 positions), so the caches hold one token more than L.
-    assert saved["bos_id"] == 1 and [v["name"] for v in saved["variants"]][-1] == "streaming+logn (4+509)"
-    at_1x = [r["ppl"] for r in saved["rows"] if r["length"] == 256]
+    assert saved["bos_id"] == 1 and [v["name"] for v in saved["variants"]][-1] == "streaming+logn (4+253)"
+    at_1x = [r["ppl"] for r in saved["rows"] if r["length"] == 128]
     # At the trained length no variant changes anything: caches hold the segment and logn is clamped to 1.
     assert len(at_1x) == 6 and max(at_1x) == pytest.approx(min(at_1x), rel=1e-5)
     assert 10 < at_1x[0] < 500  # a trained model, not a random one (which would be near the vocab size)
-    assert "| window-only (257) |" in out and (tmp_path / "ppl_vs_length.png").exists()
+    assert "| window-only (129) |" in out and (tmp_path / "ppl_vs_length.png").exists()

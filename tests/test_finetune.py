@@ -506,12 +506,12 @@ def test_example_runs(tmp_path):
     result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     out = result.stdout
-    for row in ("shipped (unpatched)", "patched, before fine-tuning", "patched + LoRA at 512"):
+    for row in ("shipped (unpatched)", "patched, before fine-tuning", "patched + LoRA at 256"):
         line = next(line for line in out.splitlines() if line.startswith(row))
         ppl = [float(x) for x in line[len(row) :].split()]
         assert len(ppl) == 4 and all(1 < p < 4096 for p in ppl), line  # 1x..8x, below the vocabulary size
     assert "learned sink logits (layer x head)" in out
     assert "max |logit difference| 0.0e+00" in out
     assert hfa.adapter_patch_config(tmp_path) == hfa.AttnScaleConfig(
-        scale="logn", train_length=256, sink_logit="learnable"
+        scale="logn", train_length=128, sink_logit="learnable"
     )
