@@ -78,6 +78,16 @@ def run_dir(runs: Path, name: str) -> Path:
     return path
 
 
+def finished(runs: Path, names: dict[str, str]) -> dict[str, Path]:
+    """The finished runs among ``names`` (label -> directory name); raises MissingRuns if there is none."""
+    found = {label: runs / name for label, name in names.items() if (runs / name / "config.json").is_file()}
+    if not found:
+        raise MissingRuns(f"none of {list(names.values())} under {runs}")
+    for label in names.keys() - found.keys():
+        print(f"({label}: no finished run at {runs / names[label]}; left out)")
+    return found
+
+
 def load(path: Path):
     """A trained LM with the patch it was trained under (in eval mode)."""
     return hfa.from_pretrained(AutoModelForCausalLM, str(path), local_files_only=True).eval()
@@ -123,9 +133,7 @@ def markdown(header: Sequence[str], rows: Sequence[Sequence]) -> str:
 
 def sinks(runs: Path, out: Path) -> str:
     """Attention mass on token 0 over training: per layer, the mean over heads and the largest head."""
-    found = {label: runs / name for label, name in LM_RUNS.items() if (runs / name / "config.json").is_file()}
-    if not found:
-        raise MissingRuns(f"none of {list(LM_RUNS.values())} under {runs}")
+    found = finished(runs, LM_RUNS)
     batch = None
     curves: dict[str, dict[int, dict[str, list[float]]]] = {}
     for label, path in found.items():
@@ -187,12 +195,14 @@ STREAM_METHODS: dict[str, Callable[[], hfa.SinkCache | None]] = {
     "1 sink + 127": lambda: hfa.SinkCache(1, TRAIN_LENGTH - 1),
     "2 sinks + 126": lambda: hfa.SinkCache(2, TRAIN_LENGTH - 2),
     "4 sinks + 124": lambda: hfa.SinkCache(4, TRAIN_LENGTH - 4),
+    "window-only (0+32)": lambda: hfa.SinkCache(0, 32),
+    "4 sinks + 28": lambda: hfa.SinkCache(4, 28),
 }
 
 
 def streaming(runs: Path, out: Path) -> str:
     """Per-position NLL of each LM over held-out streams of 32x its window, dense and through caches of 128."""
-    found = {label: run_dir(runs, name) for label, name in {**LM_RUNS, "E (logn)": E_RUN}.items()}
+    found = finished(runs, {**LM_RUNS, "E (logn)": E_RUN})
     curves: dict[str, dict[str, list[float]]] = {}
     rows = []
     for label, path in found.items():
@@ -204,32 +214,52 @@ def streaming(runs: Path, out: Path) -> str:
                 nll = torch.stack(
                     [hfa.perplexity(model, s, cache=new_cache(), chunk_size=512).nll for s in streams]
                 )
-            curves[label][method] = nll.mean(0).tolist()
+            curves[label][method] = [round(x, 5) for x in nll.mean(0).tolist()]
         past = {m: math.exp(statistics.fmean(c[TRAIN_LENGTH:])) for m, c in curves[label].items()}
         rows.append([label, *[f"{past[m]:.2f}" for m in STREAM_METHODS]])
     (out / "streaming.json").write_text(json.dumps(curves))
 
-    fig, axes = figure(len(curves), width=4.5)
-    bin_size = 64
-    for ax, (label, by_method) in zip(axes, curves.items()):
-        for method, nll in by_method.items():
-            binned = torch.tensor(nll).view(-1, bin_size).mean(-1) if len(nll) % bin_size == 0 else None
-            if binned is None:
-                usable = len(nll) // bin_size * bin_size
-                binned = torch.tensor(nll[:usable]).view(-1, bin_size).mean(-1)
-            ax.plot((torch.arange(len(binned)) + 0.5) * bin_size, binned.exp(), label=method)
-        ax.axvline(TRAIN_LENGTH, color="grey", ls="--", lw=0.8)
-        ax.set(
-            title=label, xlabel="position in stream", ylabel=f"perplexity (bins of {bin_size})", yscale="log"
-        )
-        ax.legend(fontsize=7)
-    save(fig, out / "streaming.png")
+    plot_streams(curves, out / "streaming.png")
     docs = len(heldout_streams(AutoTokenizer.from_pretrained(next(iter(found.values()))), STREAM_LENGTH))
     note = (
         f"\nPerplexity over positions {TRAIN_LENGTH}..{STREAM_LENGTH - 1} of {docs} held-out files, "
         f"each streamed alone from its BOS token ({STREAM_LENGTH} tokens = 32x the training window)."
     )
     return markdown(["model", *STREAM_METHODS], rows) + "\n" + note
+
+
+def binned(nll: Sequence[float], size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bin centres, mean NLL per bin) over whole bins of ``size`` positions."""
+    usable = len(nll) // size * size
+    means = torch.tensor(nll[:usable], dtype=torch.float64).view(-1, size).mean(-1)
+    return (torch.arange(len(means)) + 0.5) * size, means
+
+
+def plot_streams(curves: dict[str, dict[str, list[float]]], path: Path) -> None:
+    """Top: perplexity by position per model; bottom: what the sinks buy, NLL(window-only) - NLL(with sinks)."""
+    fig = Figure(figsize=(4.5 * len(curves), 7.5), dpi=110)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, len(curves), squeeze=False, sharey="row")
+    gains = {  # (window-only, with sinks): same cache size
+        "1 sink (cache 128)": ("window-only (0+128)", "1 sink + 127"),
+        "4 sinks (cache 128)": ("window-only (0+128)", "4 sinks + 124"),
+        "4 sinks (cache 32)": ("window-only (0+32)", "4 sinks + 28"),
+    }
+    for column, (label, by_method) in enumerate(curves.items()):
+        top, bottom = axes[0][column], axes[1][column]
+        for method in ("dense", "window-only (0+128)", "4 sinks + 124", "window-only (0+32)", "4 sinks + 28"):
+            x, nll = binned(by_method[method], 64)
+            top.plot(x, nll.exp(), label=method)
+        top.set(title=label, ylabel="perplexity (bins of 64)", yscale="log")
+        for name, (without, with_sinks) in gains.items():
+            x, gain = binned([a - b for a, b in zip(by_method[without], by_method[with_sinks])], 256)
+            bottom.plot(x, gain, marker="o", label=name)
+        bottom.axhline(0, color="grey", lw=0.8)
+        bottom.set(xlabel="position in stream", ylabel="NLL(window-only) - NLL(with sinks), bins of 256")
+        for ax in (top, bottom):
+            ax.axvline(TRAIN_LENGTH, color="grey", ls="--", lw=0.8)
+            ax.legend(fontsize=7)
+    save(fig, path)
 
 
 # -------------------------------------------------------------------------------------------- decoder
@@ -309,7 +339,7 @@ def _sweep(model, docs, variants, bos_id):
 
 def outliers(runs: Path, out: Path) -> str:
     """Kurtosis and max |x| of each LM's activations, and the perplexity it loses under W8A8."""
-    found = {label: run_dir(runs, name) for label, name in LM_RUNS.items()}
+    found = finished(runs, LM_RUNS)
     tokenizer = AutoTokenizer.from_pretrained(next(iter(found.values())))
     batch = probe_batch(tokenizer)
     docs = tokenize_documents(tokenizer, builtin_documents("heldout"))
@@ -346,6 +376,8 @@ def outliers(runs: Path, out: Path) -> str:
     for label, d in data.items():
         axes[0].plot(d["hidden_kurtosis"], marker="o", label=label)
         axes[1].plot(d["hidden_max_abs"], marker="o", label=label)
+    for ax in axes:
+        ax.set_xticks(range(len(d["hidden_kurtosis"])))
     axes[0].set(xlabel="layer", ylabel="kurtosis of hidden state", yscale="log")
     axes[1].set(xlabel="layer", ylabel="max |hidden state|", yscale="log")
     axes[0].legend(fontsize=7)

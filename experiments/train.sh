@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Retrain every checkpoint behind experiments/RESULTS.md (about 5.5 h on 2 CPU cores, one run at a time;
+# Retrain every checkpoint behind experiments/RESULTS.md (about 4 h on 2 CPU cores, one run at a time;
 # two runs side by side with --threads 1 each is how they were trained). Each run is resumable: if it stops,
 # run this script again and finished runs are skipped, unfinished ones continue from their last checkpoint.
 #
