@@ -318,6 +318,7 @@ def decoder(runs: Path, out: Path) -> str:
         title="decoder: O vs E",
     )
     ax.set_xticks(DECODER_LENGTHS, [str(n) for n in DECODER_LENGTHS])
+    ax.minorticks_off()
     ax.axvline(TRAIN_LENGTH, color="grey", ls="--", lw=0.8)
     ax.legend(fontsize=7)
     save(fig, out / "decoder.png")
@@ -429,6 +430,7 @@ def mlm(runs: Path, out: Path) -> str:
         title=f"RoFormer MLM trained at 64, {len(MLM_SEEDS)} seeds",
     )
     ax.set_xticks([int(n) for n in MLM_LENGTHS], list(MLM_LENGTHS))
+    ax.minorticks_off()
     ax.legend()
     save(fig, out / "mlm.png")
     return markdown(["", *MLM_LENGTHS], rows)
