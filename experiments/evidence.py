@@ -71,16 +71,21 @@ class MissingRuns(Exception):
     """A section's checkpoints are not there."""
 
 
+def is_finished(path: Path) -> bool:
+    """Whether a run directory holds its final model (the trainers save it last)."""
+    return (path / "config.json").is_file()
+
+
 def run_dir(runs: Path, name: str) -> Path:
     path = runs / name
-    if not (path / "config.json").is_file():
+    if not is_finished(path):
         raise MissingRuns(f"no finished run at {path}")
     return path
 
 
 def finished(runs: Path, names: dict[str, str]) -> dict[str, Path]:
     """The finished runs among ``names`` (label -> directory name); raises MissingRuns if there is none."""
-    found = {label: runs / name for label, name in names.items() if (runs / name / "config.json").is_file()}
+    found = {label: runs / name for label, name in names.items() if is_finished(runs / name)}
     if not found:
         raise MissingRuns(f"none of {list(names.values())} under {runs}")
     for label in names.keys() - found.keys():
@@ -134,13 +139,13 @@ def markdown(header: Sequence[str], rows: Sequence[Sequence]) -> str:
 def sinks(runs: Path, out: Path) -> str:
     """Attention mass on token 0 over training: per layer, the mean over heads and the largest head."""
     found = finished(runs, LM_RUNS)
-    batch = None
+    batch = probe_batch(
+        AutoTokenizer.from_pretrained(next(iter(found.values())))
+    )  # one tokenizer for all runs
     curves: dict[str, dict[int, dict[str, list[float]]]] = {}
     for label, path in found.items():
-        snapshots = sorted((path / "snapshots").glob("step-*"))
-        batch = probe_batch(AutoTokenizer.from_pretrained(path)) if batch is None else batch
         curves[label] = {}
-        for snapshot in snapshots:
+        for snapshot in sorted((path / "snapshots").glob("step-*")):
             stats = attention_statistics(load(snapshot), batch).summary(skip=SKIP_QUERIES)
             step = int(snapshot.name.split("-")[1])
             curves[label][step] = {
@@ -201,28 +206,28 @@ STREAM_METHODS: dict[str, Callable[[], hfa.SinkCache | None]] = {
 
 
 def streaming(runs: Path, out: Path) -> str:
-    """Per-position NLL of each LM over held-out streams of 32x its window, dense and through caches of 128."""
+    """Per-position NLL of each LM over held-out streams of 32x its window: dense, and through `STREAM_METHODS`."""
     found = finished(runs, {**LM_RUNS, "E (logn)": E_RUN})
+    streams = heldout_streams(AutoTokenizer.from_pretrained(next(iter(found.values()))), STREAM_LENGTH)
     curves: dict[str, dict[str, list[float]]] = {}
     rows = []
     for label, path in found.items():
         model = load(path)
-        streams = heldout_streams(AutoTokenizer.from_pretrained(path), STREAM_LENGTH)
         curves[label] = {}
-        for method, new_cache in STREAM_METHODS.items():
-            with hfa.patched(model, hfa.get_config(model) or hfa.AttnScaleConfig()):
+        # Streaming needs a patched model: the trained patch, or the identity for an unpatched one.
+        with hfa.patched(model, hfa.get_config(model) or hfa.AttnScaleConfig()):
+            for method, new_cache in STREAM_METHODS.items():
                 nll = torch.stack(
                     [hfa.perplexity(model, s, cache=new_cache(), chunk_size=512).nll for s in streams]
                 )
-            curves[label][method] = [round(x, 5) for x in nll.mean(0).tolist()]
+                curves[label][method] = [round(x, 5) for x in nll.mean(0).tolist()]
         past = {m: math.exp(statistics.fmean(c[TRAIN_LENGTH:])) for m, c in curves[label].items()}
         rows.append([label, *[f"{past[m]:.2f}" for m in STREAM_METHODS]])
     (out / "streaming.json").write_text(json.dumps(curves))
 
     plot_streams(curves, out / "streaming.png")
-    docs = len(heldout_streams(AutoTokenizer.from_pretrained(next(iter(found.values()))), STREAM_LENGTH))
     note = (
-        f"\nPerplexity over positions {TRAIN_LENGTH}..{STREAM_LENGTH - 1} of {docs} held-out files, "
+        f"\nPerplexity over positions {TRAIN_LENGTH}..{STREAM_LENGTH - 1} of {len(streams)} held-out files, "
         f"each streamed alone from its BOS token ({STREAM_LENGTH} tokens = 32x the training window)."
     )
     return markdown(["model", *STREAM_METHODS], rows) + "\n" + note
