@@ -1,13 +1,14 @@
 """LoRA fine-tuning of the shipped small Llama past its trained length, with a learnable sink plus logn.
 
-The model that ships with hf_attnscale was trained at 128 tokens on the Python standard library's sources.
-This script patches it (``scale="logn"`` with ``train_length=128``, plus a learnable per-head sink logit, or
-``--exit zero_kv``), trains LoRA adapters on the attention projections together with the sink logits on
-256-token windows (2x) of the training split, and prints held-out perplexity at 1x, 2x, 4x and 8x the trained
-length: for the model as shipped, patched before fine-tuning, and patched after. Every length scores the
-same tokens (the first ``8 x 128`` tokens of each held-out document) in non-overlapping windows, so the
-columns differ only in how much context each token gets. Nothing is downloaded. About 2 minutes on 2 CPU
-cores with the defaults (3 with ``--control``); measured results are in benchmarks/RESULTS.md.
+The model that ships with hf_attnscale was trained at 128 tokens (its ``max_position_embeddings``, which this
+script reads) on the Python standard library's sources. This script patches it (``scale="logn"`` with
+``train_length=128``, plus a learnable per-head sink logit, or ``--exit zero_kv``), trains LoRA adapters on
+the attention projections together with the sink logits on 256-token windows (2x) of the training split,
+and prints held-out perplexity at 1x, 2x, 4x and 8x the trained length: for the model as shipped, patched
+before fine-tuning, and patched after. Every length scores the same tokens (the first ``8 x 128`` tokens of
+each held-out document) in non-overlapping windows, so the columns differ only in how much context each
+token gets. Nothing is downloaded. About 2 minutes on 2 CPU cores with the defaults (3 with ``--control``);
+measured results are in benchmarks/RESULTS.md.
 
     python examples/peft_finetune.py                     # learnable sink + logn
     python examples/peft_finetune.py --exit zero_kv      # zero KV (softmax-off-by-one) + logn
@@ -32,7 +33,6 @@ import hf_attnscale as hfa
 from hf_attnscale.evaluation.corpus import builtin_documents, long_documents
 from hf_attnscale.evaluation.models import load_default_model
 
-TRAINED_LENGTH = 128
 MULTIPLES = (1, 2, 4, 8)
 
 
@@ -41,7 +41,9 @@ def parse_args() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--exit", choices=["sink", "zero_kv"], default="sink", help="the exit added to logn")
-    parser.add_argument("--train-length", type=int, default=2 * TRAINED_LENGTH, help="fine-tuning window")
+    parser.add_argument(
+        "--train-length", type=int, default=None, help="fine-tuning window (default: 2x the trained length)"
+    )
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=4, help="windows per step (per process)")
     parser.add_argument("--lr", type=float, default=2e-3, help="learning rate of the LoRA weights")
@@ -71,8 +73,8 @@ def perplexity(model, documents: list[torch.Tensor], length: int) -> float:
     return math.exp(nll / count)
 
 
-def perplexities(model, documents: list[torch.Tensor]) -> list[float]:
-    return [perplexity(model, documents, m * TRAINED_LENGTH) for m in MULTIPLES]
+def perplexities(model, documents: list[torch.Tensor], trained_length: int) -> list[float]:
+    return [perplexity(model, documents, m * trained_length) for m in MULTIPLES]
 
 
 def training_windows(tokenizer, length: int, seed: int) -> tuple[list[torch.Tensor], torch.Generator]:
@@ -118,8 +120,8 @@ def fine_tune(model, args, accelerator: Accelerator, tokenizer) -> tuple[object,
     return accelerator.unwrap_model(wrapped), time.perf_counter() - start
 
 
-def print_table(rows: dict[str, list[float]]) -> None:
-    header = "".join(f"{f'{m}x ({m * TRAINED_LENGTH})':>14}" for m in MULTIPLES)
+def print_table(rows: dict[str, list[float]], trained_length: int) -> None:
+    header = "".join(f"{f'{m}x ({m * trained_length})':>14}" for m in MULTIPLES)
     print(f"\nheld-out perplexity{'':20}{header}")
     for name, values in rows.items():
         print(f"{name:<39}" + "".join(f"{v:14.2f}" for v in values))
@@ -134,20 +136,22 @@ def main() -> None:
     accelerator = Accelerator(cpu=torch.accelerator.current_accelerator() is None)
     main_process = accelerator.is_main_process
     base, tokenizer = load_default_model()
-    held_out = long_documents("heldout", MULTIPLES[-1] * TRAINED_LENGTH, tokenizer)[: args.eval_docs]
+    trained_length = base.config.max_position_embeddings  # the shipped model's training window
+    args.train_length = args.train_length or 2 * trained_length
+    held_out = long_documents("heldout", MULTIPLES[-1] * trained_length, tokenizer)[: args.eval_docs]
     eval_docs = [
-        torch.tensor(tokenizer(d.text)["input_ids"][: MULTIPLES[-1] * TRAINED_LENGTH]) for d in held_out
+        torch.tensor(tokenizer(d.text)["input_ids"][: MULTIPLES[-1] * trained_length]) for d in held_out
     ]
     exit_option = {"sink_logit": "learnable"} if args.exit == "sink" else {"zero_kv": True}
-    options = {"scale": "logn", "train_length": TRAINED_LENGTH, **exit_option}
+    options = {"scale": "logn", "train_length": trained_length, **exit_option}
     if main_process:
         print(f"{len(eval_docs)} held-out documents x {eval_docs[0].numel()} tokens; patch {options}")
     rows: dict[str, list[float]] = {}
     if main_process:
-        rows["shipped (unpatched)"] = perplexities(base, eval_docs)
+        rows["shipped (unpatched)"] = perplexities(base, eval_docs, trained_length)
     patched = hfa.patch(copy.deepcopy(base), **options)
     if main_process:
-        rows["patched, before fine-tuning"] = perplexities(patched, eval_docs)
+        rows["patched, before fine-tuning"] = perplexities(patched, eval_docs, trained_length)
 
     if main_process:
         print(
@@ -156,16 +160,18 @@ def main() -> None:
         )
     tuned, seconds = fine_tune(patched, args, accelerator, tokenizer)
     if main_process:
-        rows[f"patched + LoRA at {args.train_length}"] = perplexities(tuned, eval_docs)
+        rows[f"patched + LoRA at {args.train_length}"] = perplexities(tuned, eval_docs, trained_length)
     if args.control:
         if main_process:
             print(f"control: LoRA r={args.rank} on the unpatched model, same data and steps")
         control, _ = fine_tune(copy.deepcopy(base), args, accelerator, tokenizer)
         if main_process:
-            rows[f"unpatched + LoRA at {args.train_length}"] = perplexities(control, eval_docs)
+            rows[f"unpatched + LoRA at {args.train_length}"] = perplexities(
+                control, eval_docs, trained_length
+            )
 
     if main_process:
-        print_table(rows)
+        print_table(rows, trained_length)
         sinks = [p.detach() for _, p in hfa.trainable_parameters(tuned)]
         if sinks:
             print(f"\nlearned sink logits (layer x head):\n{torch.stack(sinks).numpy().round(2)}")
@@ -173,7 +179,7 @@ def main() -> None:
     if args.save and main_process:
         tuned.save_pretrained(args.save)  # adapter + attn_scale.json
         reloaded = hfa.load_adapter(load_default_model()[0], args.save)  # patches the fresh base as saved
-        ids = eval_docs[0][:TRAINED_LENGTH].unsqueeze(0)
+        ids = eval_docs[0][:trained_length].unsqueeze(0)
         with torch.no_grad():
             diff = (reloaded(input_ids=ids).logits - tuned(input_ids=ids).logits).abs().max().item()
         print(f"saved to {args.save}; reloaded with hfa.load_adapter: max |logit difference| {diff:.1e}")
