@@ -12,6 +12,8 @@ Sections:
   sinks      attention mass on token 0 (the BOS token) over training, per layer, for the three LM runs;
   streaming  per-position NLL over a 32x stream: dense, window-only and sink+window caches (0/1/2/4 sinks);
   decoder    Su's table for a decoder: O, O + inference-time logn / dynamic NTK / YaRN / streaming, and E;
+  targets    where the unpatched decoders' heads attend (BOS, own token, previous token, start of line) and
+             what evicting BOS costs them, at weight decay 0.1 and 0.5;
   outliers   kurtosis and max |activation| of the three LM runs, and their perplexity under W8A8;
   mlm        Su's table for an encoder: MLM accuracy of O and E at 64..1024 tokens, mean and spread of seeds.
 """
@@ -212,16 +214,8 @@ def streaming(runs: Path, out: Path) -> str:
     curves: dict[str, dict[str, list[float]]] = {}
     rows = []
     for label, path in found.items():
-        model = load(path)
-        curves[label] = {}
-        # Streaming needs a patched model: the trained patch, or the identity for an unpatched one.
-        with hfa.patched(model, hfa.get_config(model) or hfa.AttnScaleConfig()):
-            for method, new_cache in STREAM_METHODS.items():
-                nll = torch.stack(
-                    [hfa.perplexity(model, s, cache=new_cache(), chunk_size=512).nll for s in streams]
-                )
-                curves[label][method] = [round(x, 5) for x in nll.mean(0).tolist()]
-        past = {m: math.exp(statistics.fmean(c[TRAIN_LENGTH:])) for m, c in curves[label].items()}
+        curves[label] = stream_curves(load(path), streams, STREAM_METHODS)
+        past = past_perplexity(curves[label])
         rows.append([label, *[f"{past[m]:.2f}" for m in STREAM_METHODS]])
     (out / "streaming.json").write_text(json.dumps(curves))
 
@@ -231,6 +225,24 @@ def streaming(runs: Path, out: Path) -> str:
         f"each streamed alone from its BOS token ({STREAM_LENGTH} tokens = 32x the training window)."
     )
     return markdown(["model", *STREAM_METHODS], rows) + "\n" + note
+
+
+def stream_curves(model, streams: list[torch.Tensor], methods: dict) -> dict[str, list[float]]:
+    """Mean NLL by stream position of ``model`` read through each method's cache (``None``: dense)."""
+    curves = {}
+    # Streaming needs a patched model: the trained patch, or the identity for an unpatched one.
+    with hfa.patched(model, hfa.get_config(model) or hfa.AttnScaleConfig()):
+        for method, new_cache in methods.items():
+            nll = torch.stack(
+                [hfa.perplexity(model, s, cache=new_cache(), chunk_size=512).nll for s in streams]
+            )
+            curves[method] = [round(x, 5) for x in nll.mean(0).tolist()]
+    return curves
+
+
+def past_perplexity(curves: dict[str, list[float]]) -> dict[str, float]:
+    """Perplexity past the trained window (positions TRAIN_LENGTH onwards) of each curve."""
+    return {method: math.exp(statistics.fmean(nll[TRAIN_LENGTH:])) for method, nll in curves.items()}
 
 
 def binned(nll: Sequence[float], size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,13 +282,65 @@ def plot_streams(curves: dict[str, dict[str, list[float]]], path: Path) -> None:
 # -------------------------------------------------------------------------------------------- decoder
 
 DECODER_LENGTHS = [TRAIN_LENGTH * m for m in (1, 2, 4, 8, 16)]
+DECODER_SEEDS = (0, 1, 2)
+
+
+def seed_run(name: str, seed: int) -> str:
+    """A decoder run's directory for a seed: seed 0 is the plain name the other sections use, others add -s<seed>."""
+    return name if seed == 0 else f"{name}-s{seed}"
 
 
 def decoder(runs: Path, out: Path) -> str:
-    """Su's table for a decoder: O with inference-time fixes, against E (trained with log_L(n))."""
-    o_path, e_path = run_dir(runs, LM_RUNS["vanilla"]), run_dir(runs, E_RUN)
-    tokenizer = AutoTokenizer.from_pretrained(o_path)
+    """Su's table for a decoder: O with inference-time fixes, against E (trained with log_L(n)), over the seeds."""
+    pairs = {}
+    for seed in DECODER_SEEDS:
+        o_path, e_path = (runs / seed_run(name, seed) for name in (LM_RUNS["vanilla"], E_RUN))
+        if is_finished(o_path) and is_finished(e_path):
+            pairs[seed] = (o_path, e_path)
+        else:
+            print(f"(seed {seed}: needs finished runs at {o_path} and {e_path}; left out)")
+    if not pairs:
+        raise MissingRuns(f"no seed of {DECODER_SEEDS} has both an O and an E run under {runs}")
+    tokenizer = AutoTokenizer.from_pretrained(next(iter(pairs.values()))[0])
     docs = tokenize_documents(tokenizer, long_documents("heldout", DECODER_LENGTHS[-1] + 1, tokenizer))
+    table: dict[str, dict[int, list[float]]] = {}  # variant -> length -> perplexity per seed
+    for o_path, e_path in pairs.values():
+        for variant, by_length in decoder_seed(o_path, e_path, docs, tokenizer.bos_token_id).items():
+            for length, ppl in by_length.items():
+                table.setdefault(variant, {}).setdefault(length, []).append(ppl)
+    (out / "decoder.json").write_text(json.dumps({"seeds": list(pairs), "perplexity": table}, indent=1))
+
+    fig, (ax,) = figure(1, width=7)
+    for name, by_length in table.items():
+        means = [statistics.fmean(v) for v in by_length.values()]
+        spread = [[m - min(v) for m, v in zip(means, by_length.values())]]
+        spread.append([max(v) - m for m, v in zip(means, by_length.values())])
+        ax.errorbar(list(by_length), means, yerr=spread, marker="o", capsize=3, label=name)
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="segment length (tokens)",
+        ylabel=f"perplexity (mean and range of {len(pairs)} seeds)",
+        title="decoder: O vs E",
+    )
+    ax.set_xticks(DECODER_LENGTHS, [str(n) for n in DECODER_LENGTHS])
+    ax.minorticks_off()
+    ax.axvline(TRAIN_LENGTH, color="grey", ls="--", lw=0.8)
+    ax.legend(fontsize=7)
+    save(fig, out / "decoder.png")
+
+    def cell(values: list[float]) -> str:
+        mean = f"{statistics.fmean(values):.2f}"
+        return mean if len(values) == 1 else f"{mean} ({min(values):.2f}..{max(values):.2f})"
+
+    header = ["variant", *[f"{n} ({n // TRAIN_LENGTH}x)" for n in DECODER_LENGTHS]]
+    rows = [[name, *[cell(by_length[n]) for n in DECODER_LENGTHS]] for name, by_length in table.items()]
+    note = f"\nCells: perplexity, mean (min..max) over seeds {', '.join(map(str, pairs))}."
+    return markdown(header, rows) + "\n" + note
+
+
+def decoder_seed(o_path: Path, e_path: Path, docs, bos_id: int) -> dict[str, dict[int, float]]:
+    """One seed's row per variant: perplexity by segment length."""
     logn = {"scale": "logn", "train_length": TRAIN_LENGTH}
     factor = DECODER_LENGTHS[-1] // TRAIN_LENGTH
     rope = {
@@ -297,47 +361,160 @@ def decoder(runs: Path, out: Path) -> str:
         variants = [hfa.Variant(prefix), hfa.Variant(f"{prefix} + logn", patch=logn)]
         if not rope_name:
             variants.append(hfa.Variant("O + streaming (4+125)", sink_tokens=4, window=TRAIN_LENGTH - 3))
-        results.append(_sweep(model, docs, variants, tokenizer.bos_token_id))
+        results.append(_sweep(model, docs, variants, bos_id))
     e_model = load(e_path)
     results.append(
         _sweep(
             e_model,
             docs,
             [hfa.Variant("E (log_L n, trained)", patch=hfa.get_config(e_model).to_dict())],
-            tokenizer.bos_token_id,
+            bos_id,
         )
     )
-
     table: dict[str, dict[int, float]] = {}
     for row in (row for result in results for row in result.rows):
         table.setdefault(row.variant, {})[row.length] = row.ppl
-    (out / "decoder.json").write_text(json.dumps(table, indent=1))
-    fig, (ax,) = figure(1, width=7)
-    for name, by_length in table.items():
-        ax.plot(list(by_length), list(by_length.values()), marker="o", label=name)
-    ax.set(
-        xscale="log",
-        yscale="log",
-        xlabel="segment length (tokens)",
-        ylabel="perplexity",
-        title="decoder: O vs E",
-    )
-    ax.set_xticks(DECODER_LENGTHS, [str(n) for n in DECODER_LENGTHS])
-    ax.minorticks_off()
-    ax.axvline(TRAIN_LENGTH, color="grey", ls="--", lw=0.8)
-    ax.legend(fontsize=7)
-    save(fig, out / "decoder.png")
-    header = ["variant", *[f"{n} ({n // TRAIN_LENGTH}x)" for n in DECODER_LENGTHS]]
-    return markdown(
-        header,
-        [[name, *[f"{by_length[n]:.2f}" for n in DECODER_LENGTHS]] for name, by_length in table.items()],
-    )
+    return table
 
 
 def _sweep(model, docs, variants, bos_id):
     return hfa.sweep(
         model, docs, DECODER_LENGTHS, variants, train_length=TRAIN_LENGTH, bos_id=bos_id, chunk_size=4096
     )
+
+
+# ------------------------------------------------------------------------------------------- targets
+
+TARGET_RUNS = {"vanilla (weight decay 0.1)": "lm-vanilla", "vanilla, weight decay 0.5": "lm-vanilla-wd0.5"}
+TARGETS = ("BOS", "own token", "previous token", "start of its line", "elsewhere")
+TARGET_CACHES = {  # window-only against 4 sinks, at the two cache sizes of section 2
+    name: STREAM_METHODS[name]
+    for name in ("window-only (0+128)", "4 sinks + 124", "window-only (0+32)", "4 sinks + 28")
+}
+
+
+def targets(runs: Path, out: Path) -> str:
+    """Where the unpatched decoders' heads attend, and what evicting BOS costs them, at two weight decays."""
+    found = finished(runs, TARGET_RUNS)
+    tokenizer = AutoTokenizer.from_pretrained(next(iter(found.values())))
+    batch = probe_batch(tokenizer)
+    newline = torch.tensor(["\n" in tokenizer.decode([i]) for i in range(len(tokenizer))])
+    streams = heldout_streams(tokenizer, STREAM_LENGTH)
+    data, summary_rows, target_rows = {}, [], []
+    for label, path in found.items():
+        model = load(path)
+        if hfa.get_config(model) is not None:
+            raise ValueError(f"{path} was trained under a patch; this section reads unpatched models")
+        mass = attention_targets(model, batch, newline)
+        past = past_perplexity(stream_curves(model, streams, TARGET_CACHES))
+        info = json.loads((path / "training_info.json").read_text())
+        bos = mass["BOS"]
+        data[label] = {
+            "targets": {name: m.tolist() for name, m in mass.items()},
+            "streaming": past,
+            "heldout_ppl": info["heldout_ppl_128"],
+        }
+        cost = [
+            past["window-only (0+128)"] / past["4 sinks + 124"],
+            past["window-only (0+32)"] / past["4 sinks + 28"],
+        ]
+        summary_rows.append(
+            [
+                label,
+                f"{info['heldout_ppl_128']:.2f}",
+                f"{int((bos > SINK_HEAD).sum())} of {bos.numel()}",
+                f"{float(bos.max()):.2f}",
+                *[f"{past[m]:.2f}" for m in TARGET_CACHES],
+                *[f"{100 * (c - 1):+.1f}%" for c in cost],
+            ]
+        )
+        for name, m in mass.items():
+            top = [
+                f"{float(layer.mean()):.2f} / {float(layer.max()):.2f} (head {int(layer.argmax())})"
+                for layer in m
+            ]
+            target_rows.append([label, name, *top])
+    (out / "targets.json").write_text(json.dumps(data, indent=1))
+
+    fig, axes = figure(len(data), width=6.5)
+    for ax, (label, values) in zip(axes, data.items()):
+        stacked = torch.tensor([values["targets"][name] for name in TARGETS]).flatten(
+            1
+        )  # targets x (layer*head)
+        bottom = torch.zeros(stacked.shape[1])
+        for name, share in zip(TARGETS, stacked):
+            ax.bar(range(len(share)), share, bottom=bottom, label=name, width=0.85)
+            bottom += share
+        heads = len(values["targets"]["BOS"][0])
+        layers = len(bottom) // heads
+        ax.set_xticks(
+            [i * heads + (heads - 1) / 2 for i in range(layers)], [f"layer {i}" for i in range(layers)]
+        )
+        ax.set(
+            title=label, ylabel="attention mass (mean over queries)", xlabel="heads, by layer", ylim=(0, 1)
+        )
+        ax.legend(fontsize=7, loc="upper right")
+    save(fig, out / "targets.png")
+
+    layers = len(next(iter(data.values()))["targets"]["BOS"])
+    summary = markdown(
+        [
+            "model",
+            "held-out ppl (128)",
+            f"sink heads (BOS mass > {SINK_HEAD})",
+            "top head on BOS",
+            *TARGET_CACHES,
+            "window-only cost, cache 128",
+            "cache 32",
+        ],
+        summary_rows,
+    )
+    where = markdown(
+        ["model", "attends to", *[f"layer {i}: mean / top head" for i in range(layers)]], target_rows
+    )
+    note = (
+        f"\nAttention mass of each head on each target, averaged over the queries at positions "
+        f"{SKIP_QUERIES}..{TRAIN_LENGTH - 1} of {len(batch)} held-out windows; the start of a line is the last "
+        "newline token before the previous token. Streaming: perplexity over positions "
+        f"{TRAIN_LENGTH}..{STREAM_LENGTH - 1} of {len(streams)} held-out files, as in section 2."
+    )
+    return summary + "\n\n" + where + "\n" + note
+
+
+@torch.no_grad()
+def attention_targets(model, batch: torch.Tensor, newline: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Mean attention mass per ``(layer, head)`` on each of `TARGETS`, over the queries from `SKIP_QUERIES` on.
+
+    The targets are disjoint: BOS, the query's own token, the token before it, the last newline token before
+    that (the start of its line, when it is not BOS), and everything else.
+    """
+    eager = AutoModelForCausalLM.from_config(model.config, attn_implementation="eager").eval()
+    eager.load_state_dict(model.state_dict())
+    attentions = eager(input_ids=batch, output_attentions=True).attentions  # each (B, H, T, T)
+    queries = torch.arange(SKIP_QUERIES, batch.shape[1])
+    rows = torch.arange(len(queries))
+    positions = torch.arange(batch.shape[1]).expand_as(batch)
+    last_newline = torch.where(newline[batch], positions, 0).cummax(-1).values  # (B, T), 0 where none yet
+    line_start = last_newline[
+        :, queries - 2
+    ]  # (B, Q): before the previous token, so the targets are disjoint
+    mass: dict[str, list[torch.Tensor]] = {name: [] for name in TARGETS}
+    for probs in attentions:
+        probs = probs[:, :, queries].float()  # (B, H, Q, T)
+        parts = {
+            "BOS": probs[..., 0],
+            "own token": probs[:, :, rows, queries],
+            "previous token": probs[:, :, rows, queries - 1],
+            "start of its line": probs.gather(
+                -1, line_start[:, None, :, None].expand(-1, probs.shape[1], -1, 1)
+            )
+            .squeeze(-1)
+            .masked_fill(line_start[:, None] == 0, 0.0),
+        }
+        parts["elsewhere"] = 1 - sum(parts.values())
+        for name, part in parts.items():
+            mass[name].append(part.mean((0, 2)))
+    return {name: torch.stack(per_layer) for name, per_layer in mass.items()}
 
 
 # ------------------------------------------------------------------------------------------- outliers
@@ -445,6 +622,7 @@ SECTIONS: dict[str, Callable[[Path, Path], str]] = {
     "sinks": sinks,
     "streaming": streaming,
     "decoder": decoder,
+    "targets": targets,
     "outliers": outliers,
     "mlm": mlm,
 }

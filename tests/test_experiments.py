@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from hf_attnscale.evaluation.models import default_model_path
 from hf_attnscale.training import lm, mlm
@@ -36,6 +37,8 @@ def runs(tmp_path_factory) -> Path:
         "lm-logn": ["--scale", "logn", "--no-clamp"],
     }.items():
         lm.main(["--out", str(runs / name), *lm_args, *patch])
+    for name, patch in {"lm-vanilla-s1": [], "lm-logn-s1": ["--scale", "logn", "--no-clamp"]}.items():
+        lm.main(["--out", str(runs / name), *lm_args, "--seed", "1", *patch])  # a second decoder seed
     for seed in (0, 1, 2):
         for name, patch in {"o": [], "e": ["--scale", "logn", "--scale-length", "512", "--no-clamp"]}.items():
             mlm.main(
@@ -71,7 +74,17 @@ def test_every_section_writes_its_table_data_and_figure(runs, tmp_path, capsys):
     assert len(curves) == len(evidence.STREAM_METHODS) and len(curves[0]) == evidence.STREAM_LENGTH - 1
     assert all(c[:31] == pytest.approx(curves[0][:31], abs=1e-4) for c in curves)
     decoder = json.loads((tmp_path / "decoder.json").read_text())
-    assert len(decoder) == 8 and all(math.isfinite(v) for row in decoder.values() for v in row.values())
+    assert decoder["seeds"] == [0, 1] and "(seed 2: needs finished runs at" in printed
+    cells = [seeds for row in decoder["perplexity"].values() for seeds in row.values()]
+    assert len(decoder["perplexity"]) == 8 and all(len(c) == 2 and all(map(math.isfinite, c)) for c in cells)
+    assert all(c[0] != c[1] for c in cells)  # the seeds are different models
+    assert "(min..max) over seeds 0, 1" in (tmp_path / "decoder.md").read_text()
+    targets = json.loads((tmp_path / "targets.json").read_text())
+    assert list(targets) == ["vanilla (weight decay 0.1)"] and "weight decay 0.5: no finished run" in printed
+    mass = torch.tensor(
+        list(targets["vanilla (weight decay 0.1)"]["targets"].values())
+    )  # targets x layers x heads
+    assert mass.shape == (5, 2, 2) and mass.min() >= -1e-6 and mass.sum(0) == pytest.approx(torch.ones(2, 2))
     mlm_table = (tmp_path / "mlm.md").read_text()
     assert mlm_table.count("\n| O |") + mlm_table.count("\n| E |") == 2
 
@@ -79,5 +92,5 @@ def test_every_section_writes_its_table_data_and_figure(runs, tmp_path, capsys):
 def test_a_missing_run_skips_its_section_and_says_which(tmp_path, capsys):
     _evidence().main(["--runs", str(tmp_path / "none"), "--out", str(tmp_path), "--only", "decoder", "mlm"])
     printed = capsys.readouterr().out
-    assert "## decoder: skipped (no finished run at" in printed and "## mlm: skipped" in printed
+    assert "## decoder: skipped (no seed of (0, 1, 2) has both" in printed and "## mlm: skipped" in printed
     assert not (tmp_path / "decoder.md").exists()
