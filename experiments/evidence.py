@@ -438,9 +438,8 @@ def targets(runs: Path, out: Path) -> str:
 
     fig, axes = figure(len(data), width=6.5)
     for ax, (label, values) in zip(axes, data.items()):
-        stacked = torch.tensor([values["targets"][name] for name in TARGETS]).flatten(
-            1
-        )  # targets x (layer*head)
+        # (targets, layers * heads): one bar per head, stacked by target
+        stacked = torch.tensor([values["targets"][name] for name in TARGETS]).flatten(1)
         bottom = torch.zeros(stacked.shape[1])
         for name, share in zip(TARGETS, stacked):
             ax.bar(range(len(share)), share, bottom=bottom, label=name, width=0.85)
@@ -495,21 +494,17 @@ def attention_targets(model, batch: torch.Tensor, newline: torch.Tensor) -> dict
     rows = torch.arange(len(queries))
     positions = torch.arange(batch.shape[1]).expand_as(batch)
     last_newline = torch.where(newline[batch], positions, 0).cummax(-1).values  # (B, T), 0 where none yet
-    line_start = last_newline[
-        :, queries - 2
-    ]  # (B, Q): before the previous token, so the targets are disjoint
+    # (B, Q): the last newline before the previous token, so that the targets are disjoint
+    line_start = last_newline[:, queries - 2]
     mass: dict[str, list[torch.Tensor]] = {name: [] for name in TARGETS}
     for probs in attentions:
         probs = probs[:, :, queries].float()  # (B, H, Q, T)
+        at_line_start = probs.gather(-1, line_start[:, None, :, None].expand(-1, probs.shape[1], -1, 1))
         parts = {
             "BOS": probs[..., 0],
             "own token": probs[:, :, rows, queries],
             "previous token": probs[:, :, rows, queries - 1],
-            "start of its line": probs.gather(
-                -1, line_start[:, None, :, None].expand(-1, probs.shape[1], -1, 1)
-            )
-            .squeeze(-1)
-            .masked_fill(line_start[:, None] == 0, 0.0),
+            "start of its line": at_line_start.squeeze(-1).masked_fill(line_start[:, None] == 0, 0.0),
         }
         parts["elsewhere"] = 1 - sum(parts.values())
         for name, part in parts.items():
