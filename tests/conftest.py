@@ -5,6 +5,10 @@
   (the streaming and perplexity tests);
 * `tiny_lm_with_tokenizer`, `tiny_mlm_with_tokenizer`: a Llama or a BERT masked LM with a BPE tokenizer
   trained on stdlib text (the evaluation, CLI and lm-eval tests);
+* `FEATURES`, `patched_and_reference`, `sample_inputs`: every feature's patch, a patched tiny model beside its
+  eager reference (same weights), and a padded batch for it;
+* `stream_logits`: a model's logits fed through a cache in chunks;
+* `device`: the device of the gpu suite (``--device``, default cuda);
 * every supported model type: `model_zoo`; the eager reference attention: `reference`.
 """
 
@@ -15,6 +19,7 @@ import math
 
 import pytest
 import torch
+from reference import make_reference
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -25,6 +30,8 @@ from transformers import (
     LlamaForCausalLM,
 )
 
+import hf_attnscale as hfa
+from hf_attnscale.core.families import attention_modules
 from hf_attnscale.evaluation.corpus import builtin_documents
 from hf_attnscale.training.lm import train_tokenizer
 
@@ -99,6 +106,56 @@ def model_output(model, **inputs) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
+# ---------------------------------------------------------------------------------------------------------
+# The patch against the eager reference (tests/reference.py)
+
+FEATURES = {
+    "logn": {"scale": "logn", "train_length": 2},
+    "logn_unclamped": {"scale": "logn", "train_length": 2, "clamp": False},
+    "ssmax": {"scale": "ssmax", "train_length": 2},
+    "gradmax": {"scale": "gradmax", "train_length": 2},
+    "zero_kv": {"zero_kv": True},
+    "sink_fixed": {"sink_logit": 2.0},
+    "sink_learnable": {"sink_logit": "learnable"},
+    "logn+zero_kv": {"scale": "logn", "train_length": 2, "zero_kv": True},
+    "ssmax+sink_learnable": {"scale": "ssmax", "train_length": 2, "sink_logit": "learnable"},
+}
+"""The features every reference test covers, with tiny train lengths so that the laws act at tiny n."""
+
+
+def sample_inputs(model_type: str, batch: int = 3, length: int = 11, padded: bool = True):
+    """Random ids with a padding mask: left padding for decoders, a mixed-length batch for encoders."""
+    ids = torch.randint(3, VOCAB, (batch, length))
+    mask = torch.ones(batch, length, dtype=torch.long)
+    if padded and model_type in DECODERS:
+        mask[1, :4] = 0  # left padding
+        mask[2, :1] = 0
+    elif padded:
+        mask[1, 6:] = 0  # mixed-length encoder batch
+        mask[2, 9:] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def patched_and_reference(model_type: str, attn: str, options: dict):
+    """(patched model, reference model) with identical weights; learnable parameters perturbed identically."""
+    patched = tiny_model(model_type, attn)
+    reference = copy.deepcopy(patched)
+    hfa.patch(patched, **options)
+    ref_options = dict(options)
+    refs = make_reference(reference, {type(m).__name__ for m in attention_modules(reference)}, **ref_options)
+    states = [m.hfa for m in patched.modules() if hasattr(m, "hfa") and isinstance(m.hfa, torch.nn.Module)]
+    gen = torch.Generator().manual_seed(7)
+    for state, ref in zip(states, refs, strict=True):
+        with torch.no_grad():
+            if state.sink is not None:
+                state.sink.copy_(torch.randn(state.sink.shape, generator=gen))
+                ref.sink.copy_(state.sink)
+            if state.ssmax is not None:
+                state.ssmax.mul_(1 + 0.3 * torch.randn(state.ssmax.shape, generator=gen))
+                ref.slope.copy_(state.ssmax)
+    return patched, reference, states, refs
+
+
 SHARP_VOCAB = 97
 SHARP_OVERRIDES: dict[str, dict] = {
     "mistral": {"sliding_window": 64},  # streaming windows up to 64 stay inside the model's own
@@ -133,6 +190,16 @@ def sharp_model(model_type: str = "llama", attn: str = "sdpa", seed: int = 0, **
             if p.dim() == 2:
                 p.normal_(0.0, (2.5 if "q_proj" in name or "qkv" in name else 1.0) / math.sqrt(p.shape[1]))
     return model
+
+
+def stream_logits(model, ids: torch.Tensor, cache, chunks) -> torch.Tensor:
+    """Logits of ``ids`` (B, T) fed through ``cache`` in pieces of the given sizes (cycled)."""
+    out, start, i = [], 0, 0
+    while start < ids.shape[1]:
+        size = chunks[i % len(chunks)]
+        out.append(model(input_ids=ids[:, start : start + size], past_key_values=cache).logits)
+        start, i = start + size, i + 1
+    return torch.cat(out, dim=1)
 
 
 def tiny_lm_with_tokenizer(vocab_size: int = 320, max_position_embeddings: int = 64):
@@ -179,6 +246,23 @@ def random_documents(lengths: list[int], seed: int = 0) -> list[torch.Tensor]:
     """Documents of random token ids (1..127), of the given lengths."""
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(1, 128, (n,), generator=generator) for n in lengths]
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption(
+        "--device",
+        default="cuda",
+        help="the device of the gpu suite (-m gpu): cuda, or cpu to run that suite on a machine without a GPU",
+    )
+
+
+@pytest.fixture
+def device(request) -> torch.device:
+    """The ``--device`` the gpu suite runs on; its tests skip when that is CUDA and there is none."""
+    name = request.config.getoption("--device")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        pytest.skip("no CUDA device (pytest -m gpu --device cpu runs this suite on the CPU)")
+    return torch.device(name)
 
 
 @pytest.fixture(autouse=True)

@@ -64,6 +64,7 @@ def reference_attention(
     scores = torch.matmul(q.to(exact), k.to(exact).transpose(-1, -2)) * scaling
     if scale != "none":
         n = visible.to(exact).sum(-1)
+        slope = None if slope is None else slope.to(n.device)  # the reference's parameters live on the CPU
         scores = scores * law(scale, n, train_length, clamp, slope).unsqueeze(-1)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
@@ -75,7 +76,7 @@ def reference_attention(
         if column_logits is not None:
             # a logit per head (gpt-oss, the patch), or per batch, head and query (Inkling-2's (B,H,Tq,1))
             shape = (1, -1, 1, 1) if column_logits.dim() == 1 else column_logits.shape
-            column = column_logits.to(exact).reshape(shape).expand(q.shape[0], heads, q.shape[2], 1)
+            column = column_logits.to(q.device, exact).reshape(shape).expand(q.shape[0], heads, q.shape[2], 1)
             scores = torch.cat([scores, column], dim=-1)
             values = torch.cat([values, torch.zeros_like(values[:, :, :1])], dim=2)
     probs = torch.softmax(scores, dim=-1).nan_to_num(
@@ -122,11 +123,8 @@ def reference_forward(module, query, key, value, attention_mask, scaling=None, d
     q_len, k_len = query.shape[2], key.shape[2]
     if attention_mask is None:
         causal = getattr(module, "is_causal", False) and q_len > 1
-        visible = (
-            torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
-            if causal
-            else torch.ones(q_len, k_len, dtype=torch.bool)
-        )
+        visible = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device)
+        visible = visible.tril(k_len - q_len) if causal else visible
         visible = visible.view(1, 1, q_len, k_len)
         bias = None
     elif attention_mask.dtype == torch.bool:

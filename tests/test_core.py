@@ -7,61 +7,26 @@ import types
 
 import pytest
 import torch
-from conftest import DECODERS, ENCODERS, VOCAB, model_output, tiny_model
+from conftest import (
+    DECODERS,
+    ENCODERS,
+    FEATURES,
+    VOCAB,
+    model_output,
+    patched_and_reference,
+    sample_inputs,
+    tiny_model,
+)
 from reference import make_reference, reference_attention
 
 import hf_attnscale as hfa
-from hf_attnscale.core.families import attention_modules
 
-FEATURES = {
-    "logn": {"scale": "logn", "train_length": 2},
-    "logn_unclamped": {"scale": "logn", "train_length": 2, "clamp": False},
-    "ssmax": {"scale": "ssmax", "train_length": 2},
-    "gradmax": {"scale": "gradmax", "train_length": 2},
-    "zero_kv": {"zero_kv": True},
-    "sink_fixed": {"sink_logit": 2.0},
-    "sink_learnable": {"sink_logit": "learnable"},
-    "logn+zero_kv": {"scale": "logn", "train_length": 2, "zero_kv": True},
-    "ssmax+sink_learnable": {"scale": "ssmax", "train_length": 2, "sink_logit": "learnable"},
-}
 # Every feature on one model of each kind (incl. sliding windows); the combined features on every family.
 FULL_MATRIX = ["llama", "mistral", "bert", "modernbert"]
 COMBINED = ["logn+zero_kv", "ssmax+sink_learnable"]
 CASES = [(t, f) for t in FULL_MATRIX for f in FEATURES] + [
     (t, f) for t in [*DECODERS, *ENCODERS] if t not in FULL_MATRIX and t != "roformer" for f in COMBINED
 ]
-
-
-def _inputs(model_type: str, batch: int = 3, length: int = 11, padded: bool = True):
-    ids = torch.randint(3, VOCAB, (batch, length))
-    mask = torch.ones(batch, length, dtype=torch.long)
-    if padded and model_type in DECODERS:
-        mask[1, :4] = 0  # left padding
-        mask[2, :1] = 0
-    elif padded:
-        mask[1, 6:] = 0  # mixed-length encoder batch
-        mask[2, 9:] = 0
-    return {"input_ids": ids, "attention_mask": mask}
-
-
-def _pair(model_type: str, attn: str, options: dict):
-    """(patched model, reference model) with identical weights; learnable parameters perturbed identically."""
-    patched = tiny_model(model_type, attn)
-    reference = copy.deepcopy(patched)
-    hfa.patch(patched, **options)
-    ref_options = dict(options)
-    refs = make_reference(reference, {type(m).__name__ for m in attention_modules(reference)}, **ref_options)
-    states = [m.hfa for m in patched.modules() if hasattr(m, "hfa") and isinstance(m.hfa, torch.nn.Module)]
-    gen = torch.Generator().manual_seed(7)
-    for state, ref in zip(states, refs, strict=True):
-        with torch.no_grad():
-            if state.sink is not None:
-                state.sink.copy_(torch.randn(state.sink.shape, generator=gen))
-                ref.sink.copy_(state.sink)
-            if state.ssmax is not None:
-                state.ssmax.mul_(1 + 0.3 * torch.randn(state.ssmax.shape, generator=gen))
-                ref.slope.copy_(state.ssmax)
-    return patched, reference, states, refs
 
 
 def _valid_rows(model_type: str, inputs: dict) -> torch.Tensor:
@@ -73,8 +38,8 @@ def _valid_rows(model_type: str, inputs: dict) -> torch.Tensor:
 @pytest.mark.parametrize(("model_type", "feature"), CASES)
 @pytest.mark.parametrize("padded", [False, True])
 def test_matches_reference(model_type, feature, attn, padded):
-    patched, reference, _, _ = _pair(model_type, attn, FEATURES[feature])
-    inputs = _inputs(model_type, padded=padded)
+    patched, reference, _, _ = patched_and_reference(model_type, attn, FEATURES[feature])
+    inputs = sample_inputs(model_type, padded=padded)
     with torch.no_grad():
         got, want = model_output(patched, **inputs), model_output(reference, **inputs)
     rows = _valid_rows(model_type, inputs)
@@ -120,7 +85,7 @@ def test_roformer_matches_reference(feature):
         if hasattr(module, "hfa_ref"):
             module.forward = types.MethodType(ref_forward, module)
     assert len(refs) == 2
-    inputs = _inputs("roformer")
+    inputs = sample_inputs("roformer")
     with torch.no_grad():
         got, want = model_output(patched, **inputs), model_output(reference, **inputs)
     rows = inputs["attention_mask"].bool()
@@ -131,8 +96,8 @@ def test_roformer_matches_reference(feature):
 @pytest.mark.parametrize("feature", COMBINED)
 @pytest.mark.parametrize("model_type", list(DECODERS))
 def test_batched_generate_left_padding_dynamic_cache(model_type, feature, attn):
-    patched, reference, _, _ = _pair(model_type, attn, FEATURES[feature])
-    inputs = _inputs(model_type, length=7)
+    patched, reference, _, _ = patched_and_reference(model_type, attn, FEATURES[feature])
+    inputs = sample_inputs(model_type, length=7)
     kwargs = {
         "max_new_tokens": 6,
         "do_sample": False,
@@ -151,8 +116,8 @@ def test_batched_generate_left_padding_dynamic_cache(model_type, feature, attn):
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "bert", "modernbert"])
 def test_gradients_match_reference(model_type, attn):
     options = {"scale": "ssmax", "train_length": 2, "sink_logit": "learnable"}
-    patched, reference, states, refs = _pair(model_type, attn, options)
-    inputs = _inputs(model_type)
+    patched, reference, states, refs = patched_and_reference(model_type, attn, options)
+    inputs = sample_inputs(model_type)
     rows = inputs["attention_mask"].bool()
     weight = torch.randn(model_output(reference, **inputs).shape)
     for model in (patched, reference):
@@ -178,7 +143,7 @@ def test_gradients_match_reference(model_type, attn):
 def test_unpatch_is_bitwise_identical(model_type):
     model = tiny_model(model_type)
     pristine = copy.deepcopy(model)
-    inputs = _inputs(model_type)
+    inputs = sample_inputs(model_type)
     hfa.patch(model, scale="ssmax", train_length=4, sink_logit="learnable")
     hfa.patch(model, scale="logn", train_length=4, zero_kv=True)  # reconfigure, never stack
     assert hfa.get_config(model).zero_kv and model_output(model, **inputs).shape
@@ -195,7 +160,7 @@ def test_two_models_behave_by_their_own_config():
     models = [type(tiny_model("llama"))(shared).eval() for _ in range(3)]
     for m in models[1:]:
         m.load_state_dict(models[0].state_dict())
-    inputs = _inputs("llama")
+    inputs = sample_inputs("llama")
     with torch.no_grad():
         plain = model_output(models[0], **inputs)
         hfa.patch(models[1], scale="logn", train_length=2)
@@ -220,7 +185,7 @@ def test_save_pretrained_round_trip(model_type, tmp_path):
             if isinstance(getattr(m, "hfa", None), torch.nn.Module):
                 m.hfa.sink.normal_()
                 m.hfa.ssmax.mul_(1.5)
-    inputs = _inputs(model_type)
+    inputs = sample_inputs(model_type)
     with torch.no_grad():
         want = model_output(model, **inputs)
     model.save_pretrained(tmp_path)
@@ -245,7 +210,9 @@ def test_half_precision_long_sequence_is_finite(dtype, attn):
 
 def test_scaled_long_context_matches_reference_at_4k():
     """logn's multiplier keeps growing past the trained length: check it at n up to 4096 against the reference."""
-    patched, reference, _, _ = _pair("llama", "sdpa", {"scale": "logn", "train_length": 16, "zero_kv": True})
+    patched, reference, _, _ = patched_and_reference(
+        "llama", "sdpa", {"scale": "logn", "train_length": 16, "zero_kv": True}
+    )
     ids = torch.randint(3, VOCAB, (1, 1024))
     with torch.no_grad():
         torch.testing.assert_close(

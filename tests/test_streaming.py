@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from conftest import DECODERS, SHARP_VOCAB, sharp_model, tiny_config
+from conftest import DECODERS, SHARP_VOCAB, sharp_model, stream_logits, tiny_config
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import hf_attnscale as hfa
@@ -114,16 +114,6 @@ def _manual_stream_logits(
     return torch.stack(logits)
 
 
-def _stream(model, ids: torch.Tensor, cache, chunks) -> torch.Tensor:
-    """Logits of ``ids`` (B, T) fed through ``cache`` in pieces of the given sizes (cycled)."""
-    out, start, i = [], 0, 0
-    while start < ids.shape[1]:
-        size = chunks[i % len(chunks)]
-        out.append(model(input_ids=ids[:, start : start + size], past_key_values=cache).logits)
-        start, i = start + size, i + 1
-    return torch.cat(out, dim=1)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Arguments and errors
 
@@ -203,7 +193,7 @@ def test_model_stream_matches_manual_reference(sinks, chunks):
     ids = torch.randint(2, SHARP_VOCAB, (1, 60))
     with torch.no_grad():
         ref = _manual_stream_logits(model, ids[0], sinks, 6)
-        out = _stream(model, ids, hfa.SinkCache(sinks, 6), chunks)[0]
+        out = stream_logits(model, ids, hfa.SinkCache(sinks, 6), chunks)[0]
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
 
 
@@ -217,7 +207,7 @@ def test_anchor_semantics_from_start_recent(chunks):
     assert (cache.sink_tokens, cache.window, cache.capacity) == (2, 6, 8)
     with torch.no_grad():
         ref = _manual_stream_logits(model, ids[0], start, recent, evict_after=True)
-        out = _stream(model, ids, cache, chunks)[0]
+        out = stream_logits(model, ids, cache, chunks)[0]
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
     with torch.no_grad():  # the other reading (the query inside the window) differs once eviction starts
         other = _manual_stream_logits(model, ids[0], start, recent)
@@ -233,7 +223,7 @@ def test_without_eviction_equals_the_plain_model(model_type, attn):
     with torch.no_grad():
         ref = model(ids).logits
         hfa.patch(model)
-        out = _stream(model, ids, hfa.SinkCache(4, 60), [11, 1, 1, 5])
+        out = stream_logits(model, ids, hfa.SinkCache(4, 60), [11, 1, 1, 5])
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
 
 
@@ -259,12 +249,12 @@ def test_copies_reset_and_repr():
     ids = torch.randint(2, SHARP_VOCAB, (1, 40))
     cache = hfa.SinkCache(2, 6)
     with torch.no_grad():
-        first = _stream(model, ids, cache, [9])
+        first = stream_logits(model, ids, cache, [9])
         cache.reset()
         assert cache.get_seq_length() == 0
-        again = _stream(model, ids, cache, [9])
+        again = stream_logits(model, ids, cache, [9])
         twin = copy.deepcopy(model)  # the copy streams with its own rotary module
-        other = _stream(twin, ids, hfa.SinkCache(2, 6), [9])
+        other = stream_logits(twin, ids, hfa.SinkCache(2, 6), [9])
     torch.testing.assert_close(again, first, atol=0, rtol=0)
     torch.testing.assert_close(other, first, atol=1e-6, rtol=0)
     assert "sink_tokens=2" in repr(cache)
