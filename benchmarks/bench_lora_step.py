@@ -7,6 +7,8 @@ hits them alike, and the median over the steps is reported, with the median of t
 unpatched step (a paired ratio, the more robust of the two).
 
     python benchmarks/bench_lora_step.py --model shipped --length 512 --batch-size 4 --repeats 15 --threads 1
+    python benchmarks/bench_lora_step.py --model llama-3.2-1b --device cuda --dtype bfloat16 --length 8192 \
+        --batch-size 1 --repeats 15                      # issue #12
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import statistics
 import time
 
 import torch
-from bench_overhead import build_model  # the same 8-layer d512 Llama (scripts run from benchmarks/)
+from bench_overhead import SHAPES, build_model  # the same Llama shapes (scripts run from benchmarks/)
 from peft import get_peft_model
 
 import hf_attnscale as hfa
@@ -31,18 +33,20 @@ VARIANTS: dict[str, dict | None] = {
 }
 
 
-def base_model(name: str) -> tuple[torch.nn.Module, int]:
-    """(model in float32, trained length): the shipped checkpoint, or bench_overhead.py's larger Llama."""
+def base_model(name: str, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, int]:
+    """(model, trained length): the shipped checkpoint, or one of bench_overhead.py's Llama shapes."""
     if name == "shipped":
         from hf_attnscale.evaluation.models import load_default_model
 
         model, _ = load_default_model()
-        return model, model.config.max_position_embeddings
-    return build_model("cpu", torch.float32), 512
+        return model.to(device, dtype), model.config.max_position_embeddings
+    return build_model(device, dtype, name), 512
 
 
-def build_variants(name: str, rank: int) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
-    base, trained = base_model(name)
+def build_variants(
+    name: str, rank: int, device: str, dtype: torch.dtype
+) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
+    base, trained = base_model(name, device, dtype)
     built = {}
     for variant, options in VARIANTS.items():
         model = copy.deepcopy(base)
@@ -56,10 +60,13 @@ def build_variants(name: str, rank: int) -> dict[str, tuple[torch.nn.Module, tor
 
 
 def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> float:
+    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+    sync()
     start = time.perf_counter()
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    sync()
     return time.perf_counter() - start
 
 
@@ -67,7 +74,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", choices=["shipped", "llama-8x512"], default="shipped")
+    parser.add_argument("--model", choices=["shipped", *SHAPES], default="shipped")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", help="the base weights' dtype (LoRA trains in it too)")
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--rank", type=int, default=8)
@@ -79,9 +88,10 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    variants = build_variants(args.model, args.rank)
+    variants = build_variants(args.model, args.rank, args.device, getattr(torch, args.dtype))
     vocab = next(iter(variants.values()))[0].get_base_model().config.vocab_size
     ids = torch.randint(4, vocab, (args.batch_size, args.length), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(args.device)
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.warmup):
         for model, optimizer in variants.values():
@@ -106,8 +116,10 @@ def main() -> None:
         "lora_rank": args.rank,
         "repeats": args.repeats,
         "threads": torch.get_num_threads(),
+        "dtype": args.dtype,
         "torch": torch.__version__,
-        "cpu": platform.processor() or platform.machine(),
+        "device": torch.cuda.get_device_name() if ids.is_cuda else platform.processor() or platform.machine(),
+        "cuda": torch.version.cuda,
     }
     print(json.dumps(setup))
     print(f"{'variant':<24}{'median step (s)':>16}{'ratio of medians':>18}{'paired ratio':>14}")
