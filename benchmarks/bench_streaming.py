@@ -1,8 +1,19 @@
-"""StreamingLLM benchmarks (issue #3) on CPU: throughput, memory, and generate() latency of `SinkCache`.
+"""StreamingLLM benchmarks (issues #3, #12): throughput, memory, and generate() latency of `SinkCache`.
 
-The model is Llama-shaped and randomly initialised (speed and memory do not depend on the weights):
-8 layers, d_model 512, 8 heads of 64, MLP 1408, vocabulary 32000, float32, sdpa, patched with
-``hfa.patch(model)`` (identity). The cache is ``SinkCache(4, 1020)``: 1024 tokens per layer.
+The model is Llama-shaped and randomly initialised (speed and memory do not depend on the weights): by default
+8 layers, d_model 512, 8 heads of 64, MLP 1408, vocabulary 32000, float32, sdpa; ``--shape llama-3.2-1b``
+takes Llama-3.2-1B's (bench_overhead.py's `SHAPES`). It is patched with ``hfa.patch(model)`` (identity). The
+cache is ``SinkCache(4, 1020)``: 1024 tokens per layer. ``--device cuda --dtype bfloat16`` runs on a GPU, where
+memory is CUDA's peak allocation instead of the process's resident set:
+
+    python benchmarks/bench_streaming.py throughput --device cuda --dtype bfloat16 --shape llama-3.2-1b \
+        --tokens 16384 --no-token-by-token --recompute-tokens 0
+    python benchmarks/bench_streaming.py memory --device cuda --dtype bfloat16 --shape llama-3.2-1b \
+        --short 16384 --long 262144
+    python benchmarks/bench_streaming.py latency --device cuda --dtype bfloat16 --shape llama-3.2-1b \
+        --positions 1024 65536
+
+On the CPU (the defaults):
 
     python benchmarks/bench_streaming.py throughput   # fast chunked path vs token-by-token reference
     python benchmarks/bench_streaming.py memory       # peak RSS of a 64k-token stream vs an 8k one
@@ -27,6 +38,8 @@ import time
 
 import torch
 import transformers
+from bench_overhead import SHAPES
+from bench_overhead import build_model as build_shape
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, StoppingCriteria
 
 import hf_attnscale as hfa
@@ -35,7 +48,11 @@ SINKS, WINDOW = 4, 1020
 VOCAB = 32000
 
 
-def build_model(seed: int = 0) -> torch.nn.Module:
+def build_model(args, seed: int = 0) -> torch.nn.Module:
+    """The benchmark's model, on ``args.device`` in ``args.dtype``, patched with the identity."""
+    dtype = getattr(torch, args.dtype)
+    if args.shape != "default":
+        return hfa.patch(build_shape(args.device, dtype, args.shape).eval())
     torch.manual_seed(seed)
     config = AutoConfig.for_model(
         "llama",
@@ -50,15 +67,22 @@ def build_model(seed: int = 0) -> torch.nn.Module:
         eos_token_id=None,
         bos_token_id=1,
     )
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    return hfa.patch(model)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).eval()
+    return hfa.patch(model.to(args.device))
 
 
 def stream_ids(length: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(2, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
 
 
-def environment(threads: int) -> str:
+def environment(args) -> str:
+    setup = f"model {args.shape}, {args.dtype}"
+    if args.device.startswith("cuda"):
+        return (
+            f"{setup}, torch {torch.__version__} (CUDA {torch.version.cuda}), transformers "
+            f"{transformers.__version__}, {torch.cuda.get_device_name()}"
+        )
+    threads = args.threads
     cpu = platform.processor() or "cpu"
     try:
         with open("/proc/cpuinfo") as handle:
@@ -66,78 +90,105 @@ def environment(threads: int) -> str:
     except (OSError, StopIteration):
         pass
     return (
-        f"torch {torch.__version__}, transformers {transformers.__version__}, {cpu} "
+        f"{setup}, torch {torch.__version__}, transformers {transformers.__version__}, {cpu} "
         f"({torch.backends.cpu.get_cpu_capability()}), torch.set_num_threads({threads})"
     )
 
 
 # ---------------------------------------------------------------------------------------------------------
 def throughput(args) -> str:
-    model = build_model()
-    ids = stream_ids(args.tokens)
-    fast_runs, ref_runs, diffs = [], [], []
-    for run in range(args.repeats):  # interleaved, so that load from other jobs hits both alike
+    """Tokens/s of the exact chunked streaming path against the token-by-token reference and a dense forward."""
+    model = build_model(args)
+    ids = stream_ids(args.tokens).to(args.device)
+    runs: dict[str, list[float]] = {"fast": [], "dense": [], "token": []}
+    diffs = []
+    for run in range(args.repeats):  # interleaved, so that load from other jobs hits all alike
         fast = hfa.perplexity(model, ids, cache=hfa.SinkCache(SINKS, WINDOW), chunk_size=args.chunk_size)
-        ref = hfa.perplexity(model, ids, cache=hfa.SinkCache(SINKS, WINDOW), chunk_size=1)
-        fast_runs.append(fast.tokens_per_second)
-        ref_runs.append(ref.tokens_per_second)
-        diffs.append((fast.nll - ref.nll).abs().max().item())
-        print(
-            f"run {run}: fast {fast_runs[-1]:.1f} tok/s, token-by-token {ref_runs[-1]:.1f} tok/s, "
-            f"max |dNLL| {diffs[-1]:.2e}",
-            flush=True,
-        )
-    # Sliding window with re-computation: steady-state cost per token (one 1024-token window re-encoded per
-    # token), from the difference of two runs so that the one-off scoring of the first window cancels out.
-    window = SINKS + WINDOW
-    timed = []
-    for extra in (0, args.recompute_tokens):
-        start = time.perf_counter()
-        hfa.perplexity(model, ids, method="recompute", window=window, max_length=window + 1 + extra)
-        timed.append(time.perf_counter() - start)
-    recompute = args.recompute_tokens / (timed[1] - timed[0])
-    fast, ref = statistics.median(fast_runs), statistics.median(ref_runs)
-    return "\n".join(
-        [
-            f"Stream of {args.tokens} tokens, `SinkCache({SINKS}, {WINDOW})`; median of {args.repeats} interleaved "
-            f"runs. {environment(args.threads)}.",
-            "",
-            "| method | tokens/s | vs token-by-token |",
-            "|---|---|---|",
-            f"| fast chunked path (chunk_size={args.chunk_size}) | {fast:.1f} | **{fast / ref:.1f}x** |",
-            f"| token-by-token reference (chunk_size=1) | {ref:.1f} | 1.0x |",
+        dense = hfa.perplexity(model, ids, method="dense", chunk_size=args.tokens)  # one plain forward
+        runs["fast"].append(fast.tokens_per_second)
+        runs["dense"].append(dense.tokens_per_second)
+        line = f"run {run}: fast {runs['fast'][-1]:.1f} tok/s, dense forward {runs['dense'][-1]:.1f} tok/s"
+        if args.token_by_token:
+            ref = hfa.perplexity(model, ids, cache=hfa.SinkCache(SINKS, WINDOW), chunk_size=1)
+            runs["token"].append(ref.tokens_per_second)
+            diffs.append((fast.nll - ref.nll).abs().max().item())
+            line += f", token-by-token {runs['token'][-1]:.1f} tok/s, max |dNLL| {diffs[-1]:.2e}"
+        print(line, flush=True)
+    fast, dense = statistics.median(runs["fast"]), statistics.median(runs["dense"])
+    ref = statistics.median(runs["token"]) if args.token_by_token else None
+
+    def speedup(tokens_per_second: float) -> str:
+        return f"{tokens_per_second / ref:.1f}x" if ref else "-"
+
+    lines = [
+        f"Stream of {args.tokens} tokens, `SinkCache({SINKS}, {WINDOW})`; median of {args.repeats} interleaved "
+        f"runs. {environment(args)}.",
+        "",
+        "| method | tokens/s | vs token-by-token | time / dense forward's |",
+        "|---|---|---|---|",
+        f"| fast chunked path (chunk_size={args.chunk_size}) | {fast:.1f} | **{speedup(fast)}** | "
+        f"**{dense / fast:.2f}** |",
+        f"| dense forward of the same tokens (one pass, no cache) | {dense:.1f} | {speedup(dense)} | 1.00 |",
+    ]
+    if ref:
+        lines.append(f"| token-by-token reference (chunk_size=1) | {ref:.1f} | 1.0x | {dense / ref:.2f} |")
+    if args.recompute_tokens:
+        # Sliding window with re-computation: steady-state cost per token (one window re-encoded per token),
+        # from the difference of two runs so that the one-off scoring of the first window cancels out.
+        window = SINKS + WINDOW
+        timed = []
+        for extra in (0, args.recompute_tokens):
+            start = time.perf_counter()
+            hfa.perplexity(model, ids, method="recompute", window=window, max_length=window + 1 + extra)
+            timed.append(time.perf_counter() - start)
+        recompute = args.recompute_tokens / (timed[1] - timed[0])
+        lines.append(
             f"| sliding window with re-computation (window {window}, steady state over "
-            f"{args.recompute_tokens} tokens) | {recompute:.2f} | {recompute / ref:.3f}x |",
-            "",
+            f"{args.recompute_tokens} tokens) | {recompute:.2f} | {speedup(recompute)} | {dense / recompute:.1f} |"
+        )
+    lines += [
+        "",
+        f"Runs (tok/s): {'; '.join(f'{k} ' + ', '.join(f'{x:.1f}' for x in v) for k, v in runs.items() if v)}.",
+    ]
+    if diffs:
+        lines.append(
             f"Fast path vs token-by-token, same text: max |NLL difference| {max(diffs):.1e} nats/token "
-            f"(all runs: {', '.join(f'{d:.1e}' for d in diffs)}). Fast path vs re-computation: "
-            f"{fast / recompute:.0f}x. Runs: fast {', '.join(f'{x:.1f}' for x in fast_runs)}; "
-            f"token-by-token {', '.join(f'{x:.1f}' for x in ref_runs)} tok/s.",
-        ]
-    )
+            f"(all runs: {', '.join(f'{d:.1e}' for d in diffs)})."
+        )
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------------------
 def _memory_child(args) -> None:
-    """In a fresh process: peak RSS of streaming ``args.tokens`` tokens (after a 2k-token warm-up)."""
+    """In a fresh process: the peak memory of streaming ``args.tokens`` tokens, after a 2k-token warm-up.
+
+    On CPU the process's peak resident set (ru_maxrss); on CUDA the peak allocation of the device.
+    """
     torch.set_num_threads(args.threads)
-    model = build_model()
+    cuda = args.device.startswith("cuda")
+    model = build_model(args)
+    warm_up = stream_ids(2048, seed=7).to(args.device)
     hfa.perplexity(
-        model,
-        stream_ids(2048, seed=7),
-        cache=hfa.SinkCache(SINKS, WINDOW),
-        chunk_size=args.chunk_size,
-        progress=False,
+        model, warm_up, cache=hfa.SinkCache(SINKS, WINDOW), chunk_size=args.chunk_size, progress=False
     )
-    warm_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if cuda:
+        torch.cuda.synchronize()
+        warm_kb = torch.cuda.max_memory_allocated() / 1024
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        warm_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     result = hfa.perplexity(
         model,
-        stream_ids(args.tokens),
+        stream_ids(args.tokens).to(args.device),
         cache=hfa.SinkCache(SINKS, WINDOW),
         chunk_size=args.chunk_size,
         progress=False,
     )
-    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak_kb = (
+        torch.cuda.max_memory_allocated() / 1024
+        if cuda
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    )
     print(
         json.dumps({"tokens": args.tokens, "warm_kb": warm_kb, "peak_kb": peak_kb, "seconds": result.seconds})
     )
@@ -156,19 +207,26 @@ def memory(args) -> str:
             str(args.threads),
             "--chunk-size",
             str(args.chunk_size),
+            "--device",
+            args.device,
+            "--dtype",
+            args.dtype,
+            "--shape",
+            args.shape,
         ]
         out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
         rows[tokens] = json.loads(out.strip().splitlines()[-1])
         print(rows[tokens], flush=True)
     short, long = rows[args.short], rows[args.long]
     mib = lambda kb: kb / 1024  # noqa: E731
+    measure = "Peak CUDA allocation" if args.device.startswith("cuda") else "Peak resident memory (ru_maxrss)"
     return "\n".join(
         [
-            f"Peak resident memory (ru_maxrss) of a process that streams the text through `hfa.perplexity` with "
+            f"{measure} of a process that streams the text through `hfa.perplexity` with "
             f"`SinkCache({SINKS}, {WINDOW})`, chunk_size={args.chunk_size}; one fresh process per length, after a "
-            f"2k-token warm-up stream. {environment(args.threads)}.",
+            f"2k-token warm-up stream. {environment(args)}.",
             "",
-            "| stream | peak RSS (MiB) | growth over the warm-up peak (MiB) | seconds |",
+            "| stream | peak (MiB) | growth over the warm-up peak (MiB) | seconds |",
             "|---|---|---|---|",
             *(
                 f"| {t:,} tokens | {mib(r['peak_kb']):.1f} | {mib(r['peak_kb'] - r['warm_kb']):.1f} | "
@@ -206,14 +264,14 @@ def latency(args) -> str:
     ``--steps`` greedy steps alternate between the positions (each round continues its own stream with the
     same cache, like a multi-turn chat), so that load from other jobs on the machine hits both alike.
     """
-    model = build_model()
+    model = build_model(args)
     low, high = args.positions
     table: dict[tuple[str, int], float] = {}
     for name in ("SinkCache", "DynamicCache"):
         streams = {}
         for position in (low, high):
             cache = hfa.SinkCache(SINKS, WINDOW) if name == "SinkCache" else DynamicCache(config=model.config)
-            prompt = stream_ids(position - 1)[None]
+            prompt = stream_ids(position - 1)[None].to(args.device)
             streams[position] = [cache, model.generate(prompt, past_key_values=cache, **_greedy(1))]
         gaps: dict[int, list[float]] = {low: [], high: []}
         for _ in range(args.rounds):
@@ -230,7 +288,7 @@ def latency(args) -> str:
     lines = [
         f"generate() per-token latency: median of {args.rounds} x {args.steps} greedy decoding steps per cell. "
         f"Each stream is brought to its position by a prompt, then rounds of {args.steps} steps alternate "
-        f"between the two positions, each continuing its stream with its cache. {environment(args.threads)}.",
+        f"between the two positions, each continuing its stream with its cache. {environment(args)}.",
         "",
         f"| cache | ms/token at {low:,} | ms/token at {high:,} | ratio |",
         "|---|---|---|---|",
@@ -284,7 +342,7 @@ def quality(args) -> str:
     lines = [
         f"Perplexity of the shipped tiny Llama (4 layers, d 256, trained at {trained} tokens) on the first "
         f"{args.tokens} tokens of each of {len(documents)} held-out stdlib documents "
-        f"({', '.join(d.name for d in documents)}), by predicted-token position. {environment(args.threads)}.",
+        f"({', '.join(d.name for d in documents)}), by predicted-token position. {environment(args)}.",
         "",
         "| method | " + " | ".join(f"ppl @ {s}" for s in spans) + " | tokens/s |",
         "|---|" + "---|" * (len(spans) + 1),
@@ -306,9 +364,20 @@ def main(argv: list[str] | None = None) -> None:
         p = sub.add_parser(name)
         p.add_argument("--threads", type=int, default=1)
         p.add_argument("--chunk-size", type=int, default=512)
+        p.add_argument("--device", default="cpu")
+        p.add_argument("--dtype", default="float32")
+        p.add_argument("--shape", choices=["default", *SHAPES], default="default")
     sub.choices["throughput"].add_argument("--tokens", type=int, default=3072)
     sub.choices["throughput"].add_argument("--repeats", type=int, default=3)
-    sub.choices["throughput"].add_argument("--recompute-tokens", type=int, default=16)
+    sub.choices["throughput"].add_argument(
+        "--recompute-tokens", type=int, default=16, help="0: leave re-computation out"
+    )
+    sub.choices["throughput"].add_argument(
+        "--token-by-token",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the token-by-token reference (slow on long streams)",
+    )
     sub.choices["quality"].add_argument("--tokens", type=int, default=2048)
     sub.choices["quality"].add_argument("--documents", type=int, default=3)
     sub.choices["memory"].add_argument("--short", type=int, default=8192)
