@@ -129,6 +129,19 @@ def save(fig: Figure, path: Path) -> None:
     fig.savefig(path)
 
 
+def plot_seeds(ax, x: Sequence[float], per_x: Sequence[Sequence[float]], label: str) -> None:
+    """The mean over seeds at each x, with the seeds' range as error bars."""
+    means = [statistics.fmean(v) for v in per_x]
+    spread = [[m - min(v) for m, v in zip(means, per_x)], [max(v) - m for m, v in zip(means, per_x)]]
+    ax.errorbar(list(x), means, yerr=spread, marker="o", capsize=3, label=label)
+
+
+def mean_and_range(values: Sequence[float]) -> str:
+    """A table cell: the mean over seeds and their range, ``mean (min..max)`` (the mean alone for one seed)."""
+    mean = f"{statistics.fmean(values):.2f}"
+    return mean if len(values) == 1 else f"{mean} ({min(values):.2f}..{max(values):.2f})"
+
+
 def markdown(header: Sequence[str], rows: Sequence[Sequence]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
@@ -141,9 +154,8 @@ def markdown(header: Sequence[str], rows: Sequence[Sequence]) -> str:
 def sinks(runs: Path, out: Path) -> str:
     """Attention mass on token 0 over training: per layer, the mean over heads and the largest head."""
     found = finished(runs, LM_RUNS)
-    batch = probe_batch(
-        AutoTokenizer.from_pretrained(next(iter(found.values())))
-    )  # one tokenizer for all runs
+    # Every run shares the shipped tokenizer: one probe batch for all.
+    batch = probe_batch(AutoTokenizer.from_pretrained(next(iter(found.values()))))
     curves: dict[str, dict[int, dict[str, list[float]]]] = {}
     for label, path in found.items():
         curves[label] = {}
@@ -312,10 +324,7 @@ def decoder(runs: Path, out: Path) -> str:
 
     fig, (ax,) = figure(1, width=7)
     for name, by_length in table.items():
-        means = [statistics.fmean(v) for v in by_length.values()]
-        spread = [[m - min(v) for m, v in zip(means, by_length.values())]]
-        spread.append([max(v) - m for m, v in zip(means, by_length.values())])
-        ax.errorbar(list(by_length), means, yerr=spread, marker="o", capsize=3, label=name)
+        plot_seeds(ax, list(by_length), list(by_length.values()), name)
     ax.set(
         xscale="log",
         yscale="log",
@@ -328,13 +337,10 @@ def decoder(runs: Path, out: Path) -> str:
     ax.axvline(TRAIN_LENGTH, color="grey", ls="--", lw=0.8)
     ax.legend(fontsize=7)
     save(fig, out / "decoder.png")
-
-    def cell(values: list[float]) -> str:
-        mean = f"{statistics.fmean(values):.2f}"
-        return mean if len(values) == 1 else f"{mean} ({min(values):.2f}..{max(values):.2f})"
-
     header = ["variant", *[f"{n} ({n // TRAIN_LENGTH}x)" for n in DECODER_LENGTHS]]
-    rows = [[name, *[cell(by_length[n]) for n in DECODER_LENGTHS]] for name, by_length in table.items()]
+    rows = [
+        [name, *[mean_and_range(by_length[n]) for n in DECODER_LENGTHS]] for name, by_length in table.items()
+    ]
     note = f"\nCells: perplexity, mean (min..max) over seeds {', '.join(map(str, pairs))}."
     return markdown(header, rows) + "\n" + note
 
@@ -590,16 +596,8 @@ def mlm(runs: Path, out: Path) -> str:
     rows = []
     for label, seeds in accuracy.items():
         values = [[100 * s[n] for s in seeds] for n in MLM_LENGTHS]
-        means = [statistics.fmean(v) for v in values]
-        ax.errorbar(
-            [int(n) for n in MLM_LENGTHS],
-            means,
-            yerr=[[m - min(v) for m, v in zip(means, values)], [max(v) - m for m, v in zip(means, values)]],
-            marker="o",
-            capsize=3,
-            label=f"Attention-{label}",
-        )
-        rows.append([label, *[f"{m:.2f} ({min(v):.2f}..{max(v):.2f})" for m, v in zip(means, values)]])
+        plot_seeds(ax, [int(n) for n in MLM_LENGTHS], values, f"Attention-{label}")
+        rows.append([label, *[mean_and_range(v) for v in values]])
     ax.set(
         xscale="log",
         xlabel="tokens",

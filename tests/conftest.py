@@ -141,8 +141,7 @@ def patched_and_reference(model_type: str, attn: str, options: dict):
     patched = tiny_model(model_type, attn)
     reference = copy.deepcopy(patched)
     hfa.patch(patched, **options)
-    ref_options = dict(options)
-    refs = make_reference(reference, {type(m).__name__ for m in attention_modules(reference)}, **ref_options)
+    refs = make_reference(reference, {type(m).__name__ for m in attention_modules(reference)}, **options)
     states = [m.hfa for m in patched.modules() if hasattr(m, "hfa") and isinstance(m.hfa, torch.nn.Module)]
     gen = torch.Generator().manual_seed(7)
     for state, ref in zip(states, refs, strict=True):
