@@ -1,9 +1,9 @@
 """Overhead of the patch: forward and forward+backward time and peak memory, patched vs unpatched.
 
-A Llama-shaped model with random weights (`SHAPES`: by default 8 layers, d_model 512, 8 heads, GQA 2:1), batch 1. Timings of all
-variants are interleaved in one process (same weights, same inputs) and the median of several runs is
-reported; each variant's peak memory is measured in a fresh subprocess (peak RSS above the loaded model on CPU,
-peak allocated on CUDA) so that earlier allocations do not hide it.
+A Llama-shaped model with random weights (`SHAPES`: by default 8 layers, d_model 512, 8 heads, GQA 2:1),
+batch 1. Timings of all variants are interleaved in one process (same weights, same inputs) and the median of
+several runs is reported; each variant's peak memory is measured in a fresh subprocess (peak RSS above the
+loaded model on CPU, peak allocated on CUDA) so that earlier allocations do not hide it.
 
     python benchmarks/bench_overhead.py --lengths 512,2048,8192 --device cpu
     python benchmarks/bench_overhead.py --shape llama-3.2-1b --dtype bfloat16 --device cuda \
