@@ -104,7 +104,7 @@ def peak_memory_worker(args, variant: str, length: int, backward: bool) -> None:
     model = build_model(device, getattr(torch, args.dtype), args.shape, args.attn)
     apply_variant(model, variant)
     ids = torch.randint(0, 1024, (1, length), device=device)
-    if device == "cuda":
+    if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         run_once(model, ids, backward)
