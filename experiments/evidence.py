@@ -13,7 +13,7 @@ Sections:
   streaming  per-position NLL over a 32x stream: dense, window-only and sink+window caches (0/1/2/4 sinks);
   decoder    Su's table for a decoder: O, O + inference-time logn / dynamic NTK / YaRN / streaming, and E;
   targets    where the unpatched decoders' heads attend (BOS, own token, previous token, start of line) and
-             what evicting BOS costs them, at weight decay 0.1 and 0.5;
+             what evicting BOS costs them, for each recipe tried to grow sinks (weight decay, depth, length);
   outliers   kurtosis and max |activation| of the three LM runs, and their perplexity under W8A8;
   mlm        Su's table for an encoder: MLM accuracy of O and E at 64..1024 tokens, mean and spread of seeds.
 """
@@ -106,22 +106,22 @@ def heldout_streams(tokenizer, length: int) -> list[torch.Tensor]:
     return [doc[:length] for doc in docs]
 
 
-def probe_batch(tokenizer, windows_per_doc: int = 2) -> torch.Tensor:
-    """Held-out windows as the LMs were trained on them: BOS, then 127 tokens of text."""
+def probe_batch(tokenizer, length: int = TRAIN_LENGTH, windows_per_doc: int = 2) -> torch.Tensor:
+    """Held-out windows as the LMs were trained on them: BOS, then ``length - 1`` tokens of text."""
     rows = []
     for doc in heldout_streams(tokenizer, STREAM_LENGTH):
         text = doc[1:]
         for i in range(windows_per_doc):
-            start = i * 997 % (len(text) - TRAIN_LENGTH)
-            rows.append(torch.cat([doc[:1], text[start : start + TRAIN_LENGTH - 1]]))
+            start = i * 997 % (len(text) - length)
+            rows.append(torch.cat([doc[:1], text[start : start + length - 1]]))
     return torch.stack(rows)
 
 
-def figure(columns: int = 1, width: float = 6.0, height: float = 4.0) -> tuple[Figure, list]:
-    fig = Figure(figsize=(width * columns, height), dpi=110)
+def figure(columns: int = 1, width: float = 6.0, height: float = 4.0, rows: int = 1) -> tuple[Figure, list]:
+    """A figure of ``rows x columns`` panels of ``width x height`` inches; its axes in reading order."""
+    fig = Figure(figsize=(width * columns, height * rows), dpi=110)
     FigureCanvasAgg(fig)
-    axes = fig.subplots(1, columns, squeeze=False)[0]
-    return fig, list(axes)
+    return fig, list(fig.subplots(rows, columns, squeeze=False).flat)
 
 
 def save(fig: Figure, path: Path) -> None:
@@ -252,9 +252,9 @@ def stream_curves(model, streams: list[torch.Tensor], methods: dict) -> dict[str
     return curves
 
 
-def past_perplexity(curves: dict[str, list[float]]) -> dict[str, float]:
-    """Perplexity past the trained window (positions TRAIN_LENGTH onwards) of each curve."""
-    return {method: math.exp(statistics.fmean(nll[TRAIN_LENGTH:])) for method, nll in curves.items()}
+def past_perplexity(curves: dict[str, list[float]], start: int = TRAIN_LENGTH) -> dict[str, float]:
+    """Perplexity past the trained window (positions ``start`` onwards) of each curve."""
+    return {method: math.exp(statistics.fmean(nll[start:])) for method, nll in curves.items()}
 
 
 def binned(nll: Sequence[float], size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -391,19 +391,34 @@ def _sweep(model, docs, variants, bos_id):
 
 # ------------------------------------------------------------------------------------------- targets
 
-TARGET_RUNS = {"vanilla (weight decay 0.1)": "lm-vanilla", "vanilla, weight decay 0.5": "lm-vanilla-wd0.5"}
-TARGETS = ("BOS", "own token", "previous token", "start of its line", "elsewhere")
-TARGET_CACHES = {  # window-only against 4 sinks, at the two cache sizes of section 2
-    name: STREAM_METHODS[name]
-    for name in ("window-only (0+128)", "4 sinks + 124", "window-only (0+32)", "4 sinks + 28")
+TARGET_RUNS = {  # label -> run: the recipes tried to grow sinks, all on the same 8.2M tokens
+    "4 x 256, weight decay 0.1": "lm-vanilla",
+    "4 x 256, weight decay 0.5": "lm-vanilla-wd0.5",
+    "12 x 128": "lm-deep12",
+    "16 x 96": "lm-deep16",
+    "4 x 256, trained at 512": "lm-ctx512",
+    "4 x 256, trained at 1024": "lm-ctx1024",
 }
+TARGETS = ("BOS", "own token", "previous token", "start of its line", "elsewhere")
+SMALL_CACHE = 32
+"""The second cache size of the eviction test, the same for every model (section 2's smaller cache)."""
+QUARTERS = 4
+
+
+def eviction_caches(length: int) -> dict[str, Callable[[], hfa.SinkCache]]:
+    """Window-only against 4 sinks, at a cache of the model's trained ``length`` and at `SMALL_CACHE`."""
+    return {
+        "window-only, cache = trained length": lambda: hfa.SinkCache(0, length),
+        "4 sinks + rest, same cache": lambda: hfa.SinkCache(4, length - 4),
+        f"window-only (0+{SMALL_CACHE})": lambda: hfa.SinkCache(0, SMALL_CACHE),
+        f"4 sinks + {SMALL_CACHE - 4}": lambda: hfa.SinkCache(4, SMALL_CACHE - 4),
+    }
 
 
 def targets(runs: Path, out: Path) -> str:
-    """Where the unpatched decoders' heads attend, and what evicting BOS costs them, at two weight decays."""
+    """Where the unpatched decoders' heads attend, and what evicting BOS costs them, for each training recipe."""
     found = finished(runs, TARGET_RUNS)
     tokenizer = AutoTokenizer.from_pretrained(next(iter(found.values())))
-    batch = probe_batch(tokenizer)
     newline = torch.tensor(["\n" in tokenizer.decode([i]) for i in range(len(tokenizer))])
     streams = heldout_streams(tokenizer, STREAM_LENGTH)
     data, summary_rows, target_rows = {}, [], []
@@ -411,38 +426,89 @@ def targets(runs: Path, out: Path) -> str:
         model = load(path)
         if hfa.get_config(model) is not None:
             raise ValueError(f"{path} was trained under a patch; this section reads unpatched models")
-        mass = attention_targets(model, batch, newline)
-        past = past_perplexity(stream_curves(model, streams, TARGET_CACHES))
+        length, config = model.config.max_position_embeddings, model.config
+        mass = attention_targets(model, probe_batch(tokenizer, length), newline)
+        caches = eviction_caches(length)
+        past = past_perplexity(stream_curves(model, streams, caches), start=length)
         info = json.loads((path / "training_info.json").read_text())
         bos = mass["BOS"]
         data[label] = {
+            "trained_length": length,
+            "layers": config.num_hidden_layers,
+            "hidden": config.hidden_size,
+            "parameters": info["parameters"],
+            "heldout_ppl": info[f"heldout_ppl_{length}"],
             "targets": {name: m.tolist() for name, m in mass.items()},
             "streaming": past,
-            "heldout_ppl": info["heldout_ppl_128"],
         }
-        cost = [
-            past["window-only (0+128)"] / past["4 sinks + 124"],
-            past["window-only (0+32)"] / past["4 sinks + 28"],
-        ]
+        without_sinks, with_sinks = list(past.values())[0::2], list(past.values())[1::2]
         summary_rows.append(
             [
                 label,
-                f"{info['heldout_ppl_128']:.2f}",
+                length,
+                f"{info['parameters'] / 1e6:.1f}M",
+                f"{info[f'heldout_ppl_{length}']:.2f}",
                 f"{int((bos > SINK_HEAD).sum())} of {bos.numel()}",
                 f"{float(bos.max()):.2f}",
-                *[f"{past[m]:.2f}" for m in TARGET_CACHES],
-                *[f"{100 * (c - 1):+.1f}%" for c in cost],
+                *[f"{v:.2f}" for v in past.values()],
+                *[f"{100 * (a / b - 1):+.1f}%" for a, b in zip(without_sinks, with_sinks)],
             ]
         )
         for name, m in mass.items():
-            top = [
-                f"{float(layer.mean()):.2f} / {float(layer.max()):.2f} (head {int(layer.argmax())})"
-                for layer in m
-            ]
-            target_rows.append([label, name, *top])
+            target_rows.append([label, name, *depth_quarters(m)])
     (out / "targets.json").write_text(json.dumps(data, indent=1))
+    plot_targets(data, out / "targets.png")
 
-    fig, axes = figure(len(data), width=6.5)
+    summary = markdown(
+        [
+            "model (layers x hidden)",
+            "trained at",
+            "parameters",
+            "held-out ppl at its length",
+            f"sink heads (BOS mass > {SINK_HEAD})",
+            "top head on BOS",
+            *caches,
+            "window-only cost, cache = trained length",
+            f"cache {SMALL_CACHE}",
+        ],
+        summary_rows,
+    )
+    where = markdown(
+        [
+            "model",
+            "attends to",
+            *[f"layers, quarter {i + 1} of {QUARTERS}: mean / top head" for i in range(QUARTERS)],
+        ],
+        target_rows,
+    )
+    note = (
+        f"\nAttention mass of each head on each target, averaged over the queries from position {SKIP_QUERIES} on "
+        f"of 30 held-out windows of each model's trained length (BOS first); the start of a line is the last "
+        "newline token before the previous token; each quarter of the layers is one layer for the 4-layer "
+        "models. Streaming: perplexity past each model's trained length, up to position "
+        f"{STREAM_LENGTH - 1}, of {len(streams)} held-out files streamed alone from BOS."
+    )
+    return summary + "\n\n" + where + "\n" + note
+
+
+def depth_quarters(mass: torch.Tensor) -> list[str]:
+    """Table cells for a ``(layers, heads)`` mass: per quarter of the layers, the mean and the top head."""
+    cells = []
+    for layers in torch.arange(len(mass)).tensor_split(QUARTERS):
+        if not len(layers):  # fewer layers than quarters
+            cells.append("–")
+            continue
+        part = mass[layers]
+        top = int(part.argmax())
+        layer, head = int(layers[top // part.shape[1]]), top % part.shape[1]
+        cells.append(f"{float(part.mean()):.2f} / {float(part.max()):.2f} (L{layer} h{head})")
+    return cells
+
+
+def plot_targets(data: dict, path: Path) -> None:
+    """One panel per model: a bar per head, by layer, stacked by what it attends to."""
+    columns = min(len(data), 2)
+    fig, axes = figure(columns, width=6.5, rows=math.ceil(len(data) / columns))
     for ax, (label, values) in zip(axes, data.items()):
         # (targets, layers * heads): one bar per head, stacked by target
         stacked = torch.tensor([values["targets"][name] for name in TARGETS]).flatten(1)
@@ -452,38 +518,21 @@ def targets(runs: Path, out: Path) -> str:
             bottom += share
         heads = len(values["targets"]["BOS"][0])
         layers = len(bottom) // heads
+        every = max(1, layers // 8)
         ax.set_xticks(
-            [i * heads + (heads - 1) / 2 for i in range(layers)], [f"layer {i}" for i in range(layers)]
+            [i * heads + (heads - 1) / 2 for i in range(0, layers, every)],
+            [f"L{i}" for i in range(0, layers, every)],
         )
         ax.set(
-            title=label, ylabel="attention mass (mean over queries)", xlabel="heads, by layer", ylim=(0, 1)
+            title=label,
+            ylabel="attention mass (mean over queries)",
+            xlabel="heads, by layer",
+            ylim=(0, 1),
         )
         ax.legend(fontsize=7, loc="upper right")
-    save(fig, out / "targets.png")
-
-    layers = len(next(iter(data.values()))["targets"]["BOS"])
-    summary = markdown(
-        [
-            "model",
-            "held-out ppl (128)",
-            f"sink heads (BOS mass > {SINK_HEAD})",
-            "top head on BOS",
-            *TARGET_CACHES,
-            "window-only cost, cache 128",
-            "cache 32",
-        ],
-        summary_rows,
-    )
-    where = markdown(
-        ["model", "attends to", *[f"layer {i}: mean / top head" for i in range(layers)]], target_rows
-    )
-    note = (
-        f"\nAttention mass of each head on each target, averaged over the queries at positions "
-        f"{SKIP_QUERIES}..{TRAIN_LENGTH - 1} of {len(batch)} held-out windows; the start of a line is the last "
-        "newline token before the previous token. Streaming: perplexity over positions "
-        f"{TRAIN_LENGTH}..{STREAM_LENGTH - 1} of {len(streams)} held-out files, as in section 2."
-    )
-    return summary + "\n\n" + where + "\n" + note
+    for ax in axes[len(data) :]:
+        ax.set_visible(False)
+    save(fig, path)
 
 
 @torch.no_grad()
@@ -495,6 +544,13 @@ def attention_targets(model, batch: torch.Tensor, newline: torch.Tensor) -> dict
     """
     eager = AutoModelForCausalLM.from_config(model.config, attn_implementation="eager").eval()
     eager.load_state_dict(model.state_dict())
+    # One window at a time (the (H, T, T) weights of long windows are large); each has as many queries.
+    per_window = [window_targets(eager, window[None], newline) for window in batch]
+    return {name: torch.stack([w[name] for w in per_window]).mean(0) for name in TARGETS}
+
+
+def window_targets(eager, batch: torch.Tensor, newline: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`attention_targets` of an eager model on one batch."""
     attentions = eager(input_ids=batch, output_attentions=True).attentions  # each (B, H, T, T)
     queries = torch.arange(SKIP_QUERIES, batch.shape[1])
     rows = torch.arange(len(queries))

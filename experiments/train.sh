@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Retrain every checkpoint behind experiments/RESULTS.md: 9 decoders of ~42 min and 6 encoders of ~15 min,
-# about 7.5 h one run at a time on one core (they were trained two side by side, --threads 1 each). Each run
+# Retrain every checkpoint behind experiments/RESULTS.md: 13 decoders of 35-50 min and 6 encoders of ~15 min,
+# about 10.5 h one run at a time on one core (they were trained two side by side, --threads 1 each). Each run
 # is resumable: if it stops, run this script again and finished runs are skipped, unfinished ones continue
 # from their last checkpoint.
 #
@@ -21,6 +21,12 @@ lm lm-zerokv --zero-kv
 lm lm-sink --sink-logit learnable
 lm lm-logn --scale logn --no-clamp            # Attention-E: log_128(n)/sqrt(d) in training and after
 lm lm-vanilla-wd0.5 --weight-decay 0.5        # Gu et al.'s strongest sink lever (the 'targets' section)
+# Deeper and longer-trained recipes, same tokens (the 'targets' section): depth and training length are the
+# levers Barbero et al. (2025) find strengthen sinks.
+lm lm-deep12 --layers 12 --hidden 128 --heads 4 --intermediate 344
+lm lm-deep16 --layers 16 --hidden 96 --heads 3 --intermediate 256
+lm lm-ctx512 --context 512 --batch-size 8 --eval-lengths 512 2048 8192
+lm lm-ctx1024 --context 1024 --batch-size 4 --eval-lengths 1024 4096 8192
 for seed in 1 2; do                           # two more seeds of O and E for the decoder table
     lm "lm-vanilla-s$seed" --seed "$seed"
     lm "lm-logn-s$seed" --seed "$seed" --scale logn --no-clamp

@@ -80,9 +80,10 @@ def test_every_section_writes_its_table_data_and_figure(runs, tmp_path, capsys):
     assert all(c[0] != c[1] for c in cells)  # the seeds are different models
     assert "(min..max) over seeds 0, 1" in (tmp_path / "decoder.md").read_text()
     targets = json.loads((tmp_path / "targets.json").read_text())
-    assert list(targets) == ["vanilla (weight decay 0.1)"] and "weight decay 0.5: no finished run" in printed
+    assert list(targets) == ["4 x 256, weight decay 0.1"] and "weight decay 0.5: no finished run" in printed
+    assert targets["4 x 256, weight decay 0.1"]["trained_length"] == 128
     # (targets, layers, heads)
-    mass = torch.tensor(list(targets["vanilla (weight decay 0.1)"]["targets"].values()))
+    mass = torch.tensor(list(targets["4 x 256, weight decay 0.1"]["targets"].values()))
     assert mass.shape == (5, 2, 2) and mass.min() >= -1e-6 and mass.sum(0) == pytest.approx(torch.ones(2, 2))
     mlm_table = (tmp_path / "mlm.md").read_text()
     assert mlm_table.count("\n| O |") + mlm_table.count("\n| E |") == 2
