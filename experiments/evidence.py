@@ -427,7 +427,8 @@ def targets(runs: Path, out: Path) -> str:
         if hfa.get_config(model) is not None:
             raise ValueError(f"{path} was trained under a patch; this section reads unpatched models")
         length, config = model.config.max_position_embeddings, model.config
-        mass = attention_targets(model, probe_batch(tokenizer, length), newline)
+        batch = probe_batch(tokenizer, length)
+        mass = attention_targets(model, batch, newline)
         caches = eviction_caches(length)
         past = past_perplexity(stream_curves(model, streams, caches), start=length)
         info = json.loads((path / "training_info.json").read_text())
@@ -441,6 +442,7 @@ def targets(runs: Path, out: Path) -> str:
             "targets": {name: m.tolist() for name, m in mass.items()},
             "streaming": past,
         }
+        # eviction_caches alternates window-only and its with-sinks twin
         without_sinks, with_sinks = list(past.values())[0::2], list(past.values())[1::2]
         summary_rows.append(
             [
@@ -483,7 +485,7 @@ def targets(runs: Path, out: Path) -> str:
     )
     note = (
         f"\nAttention mass of each head on each target, averaged over the queries from position {SKIP_QUERIES} on "
-        f"of 30 held-out windows of each model's trained length (BOS first); the start of a line is the last "
+        f"of {len(batch)} held-out windows of each model's trained length (BOS first); the start of a line is the last "
         "newline token before the previous token; each quarter of the layers is one layer for the 4-layer "
         "models. Streaming: perplexity past each model's trained length, up to position "
         f"{STREAM_LENGTH - 1}, of {len(streams)} held-out files streamed alone from BOS."
