@@ -183,11 +183,18 @@ def sharp_model(model_type: str = "llama", attn: str = "sdpa", seed: int = 0, **
         **overrides,
     }
     config = AutoConfig.for_model(model_type, **kwargs)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+    return sharpen(AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval())
+
+
+def sharpen(model, generator: torch.Generator | None = None):
+    """Give ``model``'s weight matrices wide random values (queries wider still), so that attention is sharp and
+    a patch moves the logits by whole units: a missing or wrong one cannot pass by accident. The patch's own
+    parameters are left alone. With the same ``generator`` seed, models of one shape get the same weights."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, (2.5 if "q_proj" in name or "qkv" in name else 1.0) / math.sqrt(p.shape[1]))
+            if p.dim() == 2 and ".hfa." not in name:
+                gain = 2.5 if "q_proj" in name or "qkv" in name else 1.0
+                p.normal_(0.0, gain / math.sqrt(p.shape[1]), generator=generator)
     return model
 
 

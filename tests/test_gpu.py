@@ -11,7 +11,6 @@ limit); flash_attention_2 in bf16 on CUDA where the flash-attn package is instal
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from conftest import (
     patched_and_reference,
     sample_inputs,
     sharp_model,
+    sharpen,
     stream_logits,
     tiny_model,
 )
@@ -58,16 +58,10 @@ def skip_unless_runs(attn: str, device: torch.device, dtype: torch.dtype, option
         pytest.skip("an exit under flex_attention needs CUDA")
 
 
-def sharpen(*models: torch.nn.Module) -> None:
-    """Give every model the same wide random weights (as `sharp_model`), so that attention is sharp and each patch
-    moves the logits by whole units: a missing or wrong patch cannot pass by accident."""
+def sharpen_alike(*models: torch.nn.Module) -> None:
+    """`sharpen` every model with the same seed: the same wide weights in each."""
     for model in models:
-        generator = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if p.dim() == 2 and ".hfa." not in name:
-                    gain = 2.5 if "q_proj" in name else 1.0
-                    p.copy_(torch.randn(p.shape, generator=generator) * gain / math.sqrt(p.shape[1]))
+        sharpen(model, torch.Generator().manual_seed(0))
 
 
 def on(device: torch.device, inputs: dict) -> dict:
@@ -81,7 +75,7 @@ def test_fp32_matches_reference(device, attn, feature):
     skip_unless_runs(attn, device, torch.float32, options)
     patched, reference, _, _ = patched_and_reference("llama", attn, options)  # GQA: 4 query heads, 2 KV heads
     plain = tiny_model("llama", "sdpa")
-    sharpen(patched, reference, plain)
+    sharpen_alike(patched, reference, plain)
     patched, reference, plain = patched.to(device), reference.to(device), plain.to(device)
     inputs = on(device, sample_inputs("llama"))
     rows = inputs["attention_mask"].bool()
@@ -106,7 +100,7 @@ def test_bf16_error_is_bf16s_own(device, attn, feature):
     skip_unless_runs(attn, device, torch.bfloat16, options)
     patched, reference, _, _ = patched_and_reference("llama", attn, options)
     plain = tiny_model("llama", "sdpa")
-    sharpen(patched, reference, plain)
+    sharpen_alike(patched, reference, plain)
     patched, reference, plain = patched.to(device, torch.bfloat16), reference.to(device), plain.to(device)
     plain_half = copy.deepcopy(plain).to(torch.bfloat16)
     plain_half.set_attn_implementation(attn)
@@ -127,7 +121,7 @@ def test_fp32_gradients_match_reference(device, attn):
     options = {"scale": "ssmax", "train_length": 2, "sink_logit": "learnable"}
     skip_unless_runs(attn, device, torch.float32, options)
     patched, reference, states, refs = patched_and_reference("llama", attn, options)
-    sharpen(patched, reference)
+    sharpen_alike(patched, reference)
     patched, reference = patched.to(device), reference.to(device)
     inputs = on(device, sample_inputs("llama"))
     rows = inputs["attention_mask"].bool()
