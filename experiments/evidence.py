@@ -426,17 +426,17 @@ def targets(runs: Path, out: Path) -> str:
         model = load(path)
         if hfa.get_config(model) is not None:
             raise ValueError(f"{path} was trained under a patch; this section reads unpatched models")
-        length, config = model.config.max_position_embeddings, model.config
+        length = model.config.max_position_embeddings
         batch = probe_batch(tokenizer, length)
         mass = attention_targets(model, batch, newline)
         caches = eviction_caches(length)
         past = past_perplexity(stream_curves(model, streams, caches), start=length)
         info = json.loads((path / "training_info.json").read_text())
         bos = mass["BOS"]
-        data[label] = {
+        data[label] = row = {
             "trained_length": length,
-            "layers": config.num_hidden_layers,
-            "hidden": config.hidden_size,
+            "layers": model.config.num_hidden_layers,
+            "hidden": model.config.hidden_size,
             "parameters": info["parameters"],
             "heldout_ppl": info[f"heldout_ppl_{length}"],
             "targets": {name: m.tolist() for name, m in mass.items()},
@@ -448,8 +448,8 @@ def targets(runs: Path, out: Path) -> str:
             [
                 label,
                 length,
-                f"{info['parameters'] / 1e6:.1f}M",
-                f"{info[f'heldout_ppl_{length}']:.2f}",
+                f"{row['parameters'] / 1e6:.1f}M",
+                f"{row['heldout_ppl']:.2f}",
                 f"{int((bos > SINK_HEAD).sum())} of {bos.numel()}",
                 f"{float(bos.max()):.2f}",
                 *[f"{v:.2f}" for v in past.values()],
