@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -27,7 +26,16 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTraine
 
 import hf_attnscale as hfa
 from hf_attnscale.evaluation.corpus import Document, builtin_documents, tokenize_documents
-from hf_attnscale.training.loop import TrainRun, WindowSampler, make_optimizer, set_threads, write_info
+from hf_attnscale.training.loop import (
+    TrainRun,
+    WindowSampler,
+    add_running_arguments,
+    make_optimizer,
+    run_info,
+    run_settings,
+    set_threads,
+    write_info,
+)
 
 MODULE = "hf_attnscale.training.lm"
 BOS, EOS, PAD, UNK = "<s>", "</s>", "<pad>", "<unk>"
@@ -147,25 +155,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     patch.add_argument("--clamp", action=argparse.BooleanOptionalAction, default=None)
     patch.add_argument("--zero-kv", action="store_true")
     patch.add_argument("--sink-logit", help="a fixed sink logit, or 'learnable'")
-    run = parser.add_argument_group("running")
-    run.add_argument("--threads", type=int, default=1, help="CPU threads for torch and tokenizers")
-    run.add_argument("--save-every", type=int, default=100, help="steps between resumable checkpoints")
+    run = add_running_arguments(
+        parser,
+        save_every=100,
+        eval_lengths=DEFAULT_EVAL_LENGTHS,
+        eval_help="held-out perplexity lengths, on held-out documents at least max(lengths) tokens long",
+    )
     run.add_argument("--snapshot-every", type=int, help="also save the model every N steps (for diagnostics)")
-    run.add_argument(
-        "--stop-after", type=int, help="stop at this step (checkpoint saved); run again to continue"
-    )
-    run.add_argument(
-        "--eval-lengths",
-        type=int,
-        nargs="*",
-        default=list(DEFAULT_EVAL_LENGTHS),
-        help="held-out perplexity lengths, on held-out documents at least max(lengths) tokens long",
-    )
     return parser.parse_args(argv)
-
-
-# Settings that do not change the trained weights, so a resumed run may change them.
-_RUNTIME_ONLY = {"out", "threads", "save_every", "stop_after", "eval_lengths"}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -191,16 +188,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     # One extra token per window so that every one of the `context` positions gets a target.
     bos_id = tokenizer.bos_token_id if args.bos else None
     sampler = WindowSampler(train_tokens, args.context + 1, args.seed, bos_id=bos_id)
-    settings = {
-        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in _RUNTIME_ONLY
-    }
     run = TrainRun(
         out=args.out,
         model=model,
         optimizer=make_optimizer(model, args.lr, args.weight_decay),
         steps=args.steps,
         warmup=args.warmup,
-        settings=settings,
+        settings=run_settings(args),
         generators={"sampler": sampler.generator},
     )
 
@@ -223,7 +217,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     train_seconds = time.perf_counter() - train_started
     if not finished:
-        tqdm.write(f"stopped at step {run.step}/{args.steps}; run the same command again to continue")
         return
 
     heldout_ppl = windowed_perplexity(model, heldout_tokens, args.context, bos_id)
@@ -235,20 +228,17 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     model.save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
-    tokens_per_step = args.batch_size * args.context
     write_info(
         args.out,
         {
-            "command": shlex.join(["python", "-m", MODULE, *argv]),
-            "settings": settings,
-            "parameters": n_params,
-            "patch": None if hfa.get_config(model) is None else hfa.get_config(model).to_dict(),
-            "steps": args.steps,
-            "tokens_seen": args.steps * tokens_per_step,
+            **run_info(
+                run,
+                ["python", "-m", MODULE, *argv],
+                args.batch_size * args.context,
+                first_step,
+                train_seconds,
+            ),
             "train_corpus_tokens": corpus_tokens,
-            "train_tokens_per_second": (run.step - first_step) * tokens_per_step / max(train_seconds, 1e-9),
-            "final_train_loss": run.final_loss,
-            "loss_log": run.log,
             f"heldout_ppl_{args.context}": heldout_ppl,
             "heldout_documents": len(heldout_docs),
             "long_heldout_ppl": length_ppl,

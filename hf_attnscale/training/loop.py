@@ -1,10 +1,13 @@
-"""What the causal-LM and MLM trainers share: window sampling, the optimizer, and resumable checkpoints."""
+"""What the causal-LM and MLM trainers share: window sampling, the optimizer, resumable checkpoints, the
+running flags and what a finished run records."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,8 +20,12 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
+from hf_attnscale.core.state import get_config
+
 CHECKPOINT = "checkpoint.pt"
 SNAPSHOTS = "snapshots"
+RUNTIME_ONLY = frozenset({"out", "threads", "save_every", "stop_after", "eval_lengths"})
+"""Flags that do not change the trained weights, so a resumed run may change them."""
 
 
 class WindowSampler:
@@ -86,6 +93,8 @@ class TrainRun:
     generators: dict[str, torch.Generator] = field(default_factory=dict)
     step: int = 0
     log: list[dict[str, float]] = field(default_factory=list)
+    unlogged_losses: list[float] = field(default_factory=list)
+    """The losses since the last log entry: checkpointed, so a resumed run logs the same means."""
 
     def __post_init__(self) -> None:
         self.schedule = get_cosine_schedule_with_warmup(self.optimizer, self.warmup, self.steps)
@@ -111,6 +120,7 @@ class TrainRun:
             generator.set_state(state["generators"][name])
         torch.set_rng_state(state["torch_rng"])
         self.step, self.log = state["step"], state["log"]
+        self.unlogged_losses = state.get("unlogged_losses", [])  # older checkpoints lack it
         tqdm.write(f"resumed {self.out} at step {self.step}/{self.steps}")
 
     def save_checkpoint(self) -> None:
@@ -124,6 +134,7 @@ class TrainRun:
             "torch_rng": torch.get_rng_state(),
             "step": self.step,
             "log": self.log,
+            "unlogged_losses": self.unlogged_losses,
         }
         self.out.mkdir(parents=True, exist_ok=True)
         tmp = self.out / (CHECKPOINT + ".tmp")
@@ -146,7 +157,6 @@ class TrainRun:
         its checkpoint, and running it again continues from there.
         """
         self.model.train()
-        recent: list[float] = []
         last = self.steps if stop_after is None else min(self.steps, stop_after)
         bar = tqdm(range(self.step + 1, last + 1), desc=self.out.name, unit="step", mininterval=10)
         for step in bar:
@@ -157,11 +167,12 @@ class TrainRun:
             self.schedule.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step = step
-            recent.append(loss.item())
+            self.unlogged_losses.append(loss.item())
             if step % log_every == 0 or step == self.steps:
-                self.log.append({"step": step, "loss": sum(recent) / len(recent)})
+                mean = sum(self.unlogged_losses) / len(self.unlogged_losses)
+                self.log.append({"step": step, "loss": mean})
                 tqdm.write(f"{self.out.name} step {step}/{self.steps} loss {self.log[-1]['loss']:.4f}")
-                recent = []
+                self.unlogged_losses = []
             if snapshot_every and (step % snapshot_every == 0 or step == self.steps):
                 self.model.eval()
                 on_snapshot(self.out / SNAPSHOTS / f"step-{step:06d}")
@@ -169,12 +180,51 @@ class TrainRun:
             if step % save_every == 0 or step == last:
                 self.save_checkpoint()
         self.model.eval()
+        if self.step < self.steps:
+            tqdm.write(f"stopped at step {self.step}/{self.steps}; run the same command again to continue")
         return self.step == self.steps
 
     @property
     def final_loss(self) -> float | None:
         """Mean training loss of the last logged interval."""
         return self.log[-1]["loss"] if self.log else None
+
+
+def add_running_arguments(
+    parser: argparse.ArgumentParser, *, save_every: int, eval_lengths: Sequence[int], eval_help: str
+) -> argparse._ArgumentGroup:
+    """The "running" flags (all in `RUNTIME_ONLY`); returns their group for a trainer's own."""
+    run = parser.add_argument_group("running")
+    run.add_argument("--threads", type=int, default=1, help="CPU threads for torch and tokenizers")
+    run.add_argument("--save-every", type=int, default=save_every, help="steps between resumable checkpoints")
+    run.add_argument(
+        "--stop-after", type=int, help="stop at this step (checkpoint saved); run again to continue"
+    )
+    run.add_argument("--eval-lengths", type=int, nargs="*", default=list(eval_lengths), help=eval_help)
+    return run
+
+
+def run_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags that define the trained weights (paths as strings): what a resumed run must repeat."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in RUNTIME_ONLY}
+
+
+def run_info(
+    run: TrainRun, command: Sequence[str], tokens_per_step: int, first_step: int, train_seconds: float
+) -> dict[str, Any]:
+    """What every finished run records: its command, settings, size, patch, tokens and loss log."""
+    patch = get_config(run.model)
+    return {
+        "command": shlex.join(command),
+        "settings": run.settings,
+        "parameters": sum(p.numel() for p in run.model.parameters()),
+        "patch": None if patch is None else patch.to_dict(),
+        "steps": run.steps,
+        "tokens_seen": run.steps * tokens_per_step,
+        "train_tokens_per_second": (run.step - first_step) * tokens_per_step / max(train_seconds, 1e-9),
+        "final_train_loss": run.final_loss,
+        "loss_log": run.log,
+    }
 
 
 def versions() -> dict[str, str]:

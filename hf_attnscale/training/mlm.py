@@ -11,7 +11,6 @@ Windows of ``--context`` tokens (64 in the article), 15% of the tokens masked (8
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -26,7 +25,16 @@ import hf_attnscale as hfa
 from hf_attnscale.evaluation.corpus import builtin_documents, tokenize_documents
 from hf_attnscale.evaluation.mlm import masked_lm_accuracy
 from hf_attnscale.evaluation.models import default_model_path
-from hf_attnscale.training.loop import TrainRun, WindowSampler, make_optimizer, set_threads, write_info
+from hf_attnscale.training.loop import (
+    TrainRun,
+    WindowSampler,
+    add_running_arguments,
+    make_optimizer,
+    run_info,
+    run_settings,
+    set_threads,
+    write_info,
+)
 
 MODULE = "hf_attnscale.training.mlm"
 MASK = "<mask>"
@@ -66,17 +74,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     patch.add_argument("--scale", default="none", choices=("none", "logn", "ssmax", "gradmax"))
     patch.add_argument("--scale-length", type=int, help="L of the scale law (default: --context)")
     patch.add_argument("--clamp", action=argparse.BooleanOptionalAction, default=None)
-    run = parser.add_argument_group("running")
-    run.add_argument("--threads", type=int, default=1)
-    run.add_argument("--save-every", type=int, default=200)
-    run.add_argument(
-        "--stop-after", type=int, help="stop at this step (checkpoint saved); run again to continue"
+    add_running_arguments(
+        parser, save_every=200, eval_lengths=(64, 128, 256, 512, 1024), eval_help="MLM accuracy lengths"
     )
-    run.add_argument("--eval-lengths", type=int, nargs="*", default=[64, 128, 256, 512, 1024])
     return parser.parse_args(argv)
-
-
-_RUNTIME_ONLY = {"out", "threads", "save_every", "stop_after", "eval_lengths"}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -113,16 +114,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     sampler = WindowSampler(train_tokens, args.context, args.seed)
     masking = torch.Generator().manual_seed(args.seed + 1)
     special = torch.tensor(tokenizer.all_special_ids)
-    settings = {
-        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in _RUNTIME_ONLY
-    }
     run = TrainRun(
         out=args.out,
         model=model,
         optimizer=make_optimizer(model, args.lr, args.weight_decay),
         steps=args.steps,
         warmup=args.warmup,
-        settings=settings,
+        settings=run_settings(args),
         generators={"sampler": sampler.generator, "masking": masking},
     )
 
@@ -140,7 +138,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     train_seconds = time.perf_counter() - train_started
     if not finished:
-        tqdm.write(f"stopped at step {run.step}/{args.steps}; run the same command again to continue")
         return
 
     accuracy = masked_lm_accuracy(model, heldout_tokens, args.eval_lengths, tokenizer.mask_token_id)
@@ -148,18 +145,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         tqdm.write(f"MLM accuracy at {result.length}: {100 * result.accuracy:.2f}% ({result.tokens} tokens)")
     model.save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
-    tokens_per_step = args.batch_size * args.context
     write_info(
         args.out,
         {
-            "command": shlex.join(["python", "-m", MODULE, *argv]),
-            "settings": settings,
-            "parameters": n_params,
-            "patch": None if hfa.get_config(model) is None else hfa.get_config(model).to_dict(),
-            "tokens_seen": args.steps * tokens_per_step,
-            "train_tokens_per_second": (run.step - first_step) * tokens_per_step / max(train_seconds, 1e-9),
-            "final_train_loss": run.final_loss,
-            "loss_log": run.log,
+            **run_info(
+                run,
+                ["python", "-m", MODULE, *argv],
+                args.batch_size * args.context,
+                first_step,
+                train_seconds,
+            ),
             "mlm_accuracy": {str(r.length): r.accuracy for r in accuracy},
             "mlm_masked_tokens": {str(r.length): r.tokens for r in accuracy},
             "train_seconds_this_session": train_seconds,
