@@ -13,7 +13,10 @@ Sections:
   streaming  per-position NLL over a 32x stream: dense, window-only and sink+window caches (0/1/2/4 sinks);
   decoder    Su's table for a decoder: O, O + inference-time logn / dynamic NTK / YaRN / streaming, and E;
   targets    where the unpatched decoders' heads attend (BOS, own token, previous token, start of line) and
-             what evicting BOS costs them, for each recipe tried to grow sinks (weight decay, depth, length);
+             what evicting BOS costs them, for each recipe tried to grow sinks (weight decay, learning
+             rate, depth, length);
+  rates      the same recipe at peak learning rates 2e-3, 4e-3 and 6e-3: sink heads over training, and the
+             32x stream of `streaming` for each;
   outliers   kurtosis and max |activation| of the three LM runs, and their perplexity under W8A8;
   mlm        Su's table for an encoder: MLM accuracy of O and E at 64..1024 tokens, mean and spread of seeds.
 """
@@ -156,35 +159,11 @@ def sinks(runs: Path, out: Path) -> str:
     found = finished(runs, LM_RUNS)
     # Every run shares the shipped tokenizer: one probe batch for all.
     batch = probe_batch(AutoTokenizer.from_pretrained(next(iter(found.values()))))
-    curves: dict[str, dict[int, dict[str, list[float]]]] = {}
-    for label, path in found.items():
-        curves[label] = {}
-        for snapshot in sorted((path / "snapshots").glob("step-*")):
-            stats = attention_statistics(load(snapshot), batch).summary(skip=SKIP_QUERIES)
-            step = int(snapshot.name.split("-")[1])
-            curves[label][step] = {
-                "heads": stats["sink_mass"].tolist(),
-                "mean": stats["sink_mass"].mean(-1).tolist(),
-                "max": stats["sink_mass"].amax(-1).tolist(),
-                "sink_heads": float((stats["sink_mass"] > SINK_HEAD).float().mean()),
-                "exit": float(stats["exit_mass"].mean()),
-            }
+    curves = {label: sink_curves(path, batch) for label, path in found.items()}
     (out / "sinks.json").write_text(json.dumps(curves, indent=1))
+    plot_sink_curves(curves, out / "sinks.png")
 
-    fig, axes = figure(len(curves), width=4.5)
-    for ax, (label, by_step) in zip(axes, curves.items()):
-        steps = sorted(by_step)
-        for layer in range(len(by_step[steps[0]]["mean"])):
-            line = ax.plot(
-                steps, [by_step[s]["mean"][layer] for s in steps], marker="o", label=f"layer {layer}"
-            )
-            ax.plot(steps, [by_step[s]["max"][layer] for s in steps], ls=":", color=line[0].get_color())
-        ax.set(
-            title=f"{label}: attention on BOS", xlabel="training step", ylabel="mass on token 0", ylim=(0, 1)
-        )
-        ax.legend(fontsize=7, title="solid: mean of heads, dotted: top head", title_fontsize=7)
-    save(fig, out / "sinks.png")
-
+    steps = sorted(next(iter(curves.values())))
     layers = len(next(iter(curves.values()))[steps[0]]["mean"])
     header = [
         "model",
@@ -204,6 +183,41 @@ def sinks(runs: Path, out: Path) -> str:
         f"Sink metric, epsilon {SINK_HEAD}) puts more than {SINK_HEAD} of its attention there."
     )
     return markdown(header, rows) + "\n" + note
+
+
+def sink_stats(model, batch: torch.Tensor) -> dict:
+    """BOS mass per head, its per-layer mean and top head, the share of sink heads and the exit's mass."""
+    stats = attention_statistics(model, batch).summary(skip=SKIP_QUERIES)
+    return {
+        "heads": stats["sink_mass"].tolist(),
+        "mean": stats["sink_mass"].mean(-1).tolist(),
+        "max": stats["sink_mass"].amax(-1).tolist(),
+        "sink_heads": float((stats["sink_mass"] > SINK_HEAD).float().mean()),
+        "exit": float(stats["exit_mass"].mean()),
+    }
+
+
+def sink_curves(path: Path, batch: torch.Tensor) -> dict[int, dict]:
+    """`sink_stats` of every snapshot of a run (``--snapshot-every``), by training step."""
+    snapshots = sorted((path / "snapshots").glob("step-*"))
+    return {int(s.name.split("-")[1]): sink_stats(load(s), batch) for s in snapshots}
+
+
+def plot_sink_curves(curves: dict[str, dict[int, dict]], path: Path) -> None:
+    """One panel per run: each layer's mean BOS mass (solid) and top head (dotted) against the step."""
+    fig, axes = figure(len(curves), width=4.5)
+    for ax, (label, by_step) in zip(axes, curves.items()):
+        steps = sorted(by_step)
+        for layer in range(len(by_step[steps[0]]["mean"])):
+            line = ax.plot(
+                steps, [by_step[s]["mean"][layer] for s in steps], marker="o", label=f"layer {layer}"
+            )
+            ax.plot(steps, [by_step[s]["max"][layer] for s in steps], ls=":", color=line[0].get_color())
+        ax.set(
+            title=f"{label}: attention on BOS", xlabel="training step", ylabel="mass on token 0", ylim=(0, 1)
+        )
+        ax.legend(fontsize=7, title="solid: mean of heads, dotted: top head", title_fontsize=7)
+    save(fig, path)
 
 
 # ------------------------------------------------------------------------------------------ streaming
@@ -394,6 +408,9 @@ def _sweep(model, docs, variants, bos_id):
 TARGET_RUNS = {  # label -> run: the recipes tried to grow sinks, all on the same 8.2M tokens
     "4 x 256, weight decay 0.1": "lm-vanilla",
     "4 x 256, weight decay 0.5": "lm-vanilla-wd0.5",
+    "4 x 256, weight decay 1.0": "lm-vanilla-wd1.0",
+    "4 x 256, peak lr 4e-3": "lm-vanilla-lr4e-3",
+    "4 x 256, peak lr 6e-3": "lm-vanilla-lr6e-3",
     "12 x 128": "lm-deep12",
     "16 x 96": "lm-deep16",
     "4 x 256, trained at 512": "lm-ctx512",
@@ -576,6 +593,63 @@ def window_targets(eager, batch: torch.Tensor, newline: torch.Tensor) -> dict[st
     return {name: torch.stack(per_layer) for name, per_layer in mass.items()}
 
 
+# ---------------------------------------------------------------------------------------------- rates
+
+RATE_RUNS = {  # label -> run: lm-vanilla's recipe at three peak learning rates, the same 8.2M tokens
+    "peak lr 2e-3": "lm-vanilla",
+    "peak lr 4e-3": "lm-vanilla-lr4e-3",
+    "peak lr 6e-3": "lm-vanilla-lr6e-3",
+}
+RATE_GAINS = (("window-only (0+128)", "4 sinks + 124"), ("window-only (0+32)", "4 sinks + 28"))
+"""(window-only, with sinks) pairs of `STREAM_METHODS` with the same cache: what evicting BOS costs."""
+
+
+def rates(runs: Path, out: Path) -> str:
+    """Sinks grown by the learning rate: BOS mass over training, and section 2's 32x stream for each rate."""
+    found = finished(runs, RATE_RUNS)
+    tokenizer = AutoTokenizer.from_pretrained(next(iter(found.values())))
+    batch, streams = probe_batch(tokenizer), heldout_streams(tokenizer, STREAM_LENGTH)
+    data, rows = {}, []
+    for label, path in found.items():
+        model = load(path)
+        info = json.loads((path / "training_info.json").read_text())
+        final = sink_stats(model, batch)
+        curves = stream_curves(model, streams, STREAM_METHODS)
+        past = past_perplexity(curves)
+        data[label] = {"final": final, "over_training": sink_curves(path, batch), "streaming": curves}
+        heads = torch.tensor(final["heads"])
+        rows.append(
+            [
+                label,
+                f"{info[f'heldout_ppl_{TRAIN_LENGTH}']:.2f}",
+                f"{int((heads > SINK_HEAD).sum())} of {heads.numel()}",
+                f"{float(heads.max()):.2f}",
+                *[f"{past[m]:.2f}" for m in STREAM_METHODS],
+                *[f"{100 * (past[a] / past[b] - 1):+.1f}%" for a, b in RATE_GAINS],
+            ]
+        )
+    (out / "rates.json").write_text(json.dumps(data))
+    plot_streams({label: d["streaming"] for label, d in data.items()}, out / "rates.png")
+    with_snapshots = {label: d["over_training"] for label, d in data.items() if d["over_training"]}
+    if with_snapshots:
+        plot_sink_curves(with_snapshots, out / "rates-sinks.png")
+    header = [
+        "peak learning rate",
+        f"held-out ppl at {TRAIN_LENGTH}",
+        f"sink heads (BOS mass > {SINK_HEAD})",
+        "top head on BOS",
+        *STREAM_METHODS,
+        *[f"{a} against {b}" for a, b in RATE_GAINS],
+    ]
+    note = (
+        f"\nSink heads: the final model, {len(batch)} held-out windows of {TRAIN_LENGTH} tokens, queries from "
+        f"position {SKIP_QUERIES} on. Streaming: perplexity over positions {TRAIN_LENGTH}..{STREAM_LENGTH - 1} "
+        f"of {len(streams)} held-out files, each streamed alone from its BOS token; the last two columns are "
+        "what evicting BOS costs (window-only against 4 sinks in a cache of the same size)."
+    )
+    return markdown(header, rows) + "\n" + note
+
+
 # ------------------------------------------------------------------------------------------- outliers
 
 
@@ -674,6 +748,7 @@ SECTIONS: dict[str, Callable[[Path, Path], str]] = {
     "streaming": streaming,
     "decoder": decoder,
     "targets": targets,
+    "rates": rates,
     "outliers": outliers,
     "mlm": mlm,
 }

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Retrain every checkpoint behind experiments/RESULTS.md: 13 decoders of 35-50 min and 6 encoders of ~15 min,
-# about 10.5 h one run at a time on one core (they were trained two side by side, --threads 1 each). Each run
+# Retrain every checkpoint behind experiments/RESULTS.md: 16 decoders of 35-50 min and 6 encoders of ~15 min,
+# about 12.5 h one run at a time on one core (they were trained two side by side, --threads 1 each). Each run
 # is resumable: if it stops, run this script again and finished runs are skipped, unfinished ones continue
 # from their last checkpoint.
 #
@@ -20,7 +20,10 @@ lm lm-vanilla
 lm lm-zerokv --zero-kv
 lm lm-sink --sink-logit learnable
 lm lm-logn --scale logn --no-clamp            # Attention-E: log_128(n)/sqrt(d) in training and after
-lm lm-vanilla-wd0.5 --weight-decay 0.5        # Gu et al.'s strongest sink lever (the 'targets' section)
+lm lm-vanilla-wd0.5 --weight-decay 0.5        # Gu et al.'s strongest sink levers (the 'targets' section):
+lm lm-vanilla-wd1.0 --weight-decay 1.0        #   weight decay and the learning rate
+lm lm-vanilla-lr4e-3 --lr 4e-3
+lm lm-vanilla-lr6e-3 --lr 6e-3
 # Deeper and longer-trained recipes, same tokens (the 'targets' section): depth and training length are the
 # levers Barbero et al. (2025) find strengthen sinks.
 lm lm-deep12 --layers 12 --hidden 128 --heads 4 --intermediate 344

@@ -35,6 +35,7 @@ def runs(tmp_path_factory) -> Path:
         "lm-zerokv": ["--zero-kv"],
         "lm-sink": ["--sink-logit", "learnable"],
         "lm-logn": ["--scale", "logn", "--no-clamp"],
+        "lm-vanilla-lr6e-3": ["--lr", "6e-3"],
     }.items():
         lm.main(["--out", str(runs / name), *lm_args, *patch])
     for name, patch in {"lm-vanilla-s1": [], "lm-logn-s1": ["--scale", "logn", "--no-clamp"]}.items():
@@ -80,11 +81,18 @@ def test_every_section_writes_its_table_data_and_figure(runs, tmp_path, capsys):
     assert all(c[0] != c[1] for c in cells)  # the seeds are different models
     assert "(min..max) over seeds 0, 1" in (tmp_path / "decoder.md").read_text()
     targets = json.loads((tmp_path / "targets.json").read_text())
-    assert list(targets) == ["4 x 256, weight decay 0.1"] and "weight decay 0.5: no finished run" in printed
+    assert list(targets) == ["4 x 256, weight decay 0.1", "4 x 256, peak lr 6e-3"]
+    assert "weight decay 0.5: no finished run" in printed
     assert targets["4 x 256, weight decay 0.1"]["trained_length"] == 128
     # (targets, layers, heads)
     mass = torch.tensor(list(targets["4 x 256, weight decay 0.1"]["targets"].values()))
     assert mass.shape == (5, 2, 2) and mass.min() >= -1e-6 and mass.sum(0) == pytest.approx(torch.ones(2, 2))
+    rates = json.loads((tmp_path / "rates.json").read_text())
+    assert list(rates) == ["peak lr 2e-3", "peak lr 6e-3"] and "peak lr 4e-3: no finished run" in printed
+    fast = rates["peak lr 6e-3"]
+    assert set(fast["over_training"]) == {"2", "4"} and fast["final"] == fast["over_training"]["4"]
+    assert rates["peak lr 2e-3"]["streaming"] == streaming["vanilla"]  # the same model, read alike
+    assert (tmp_path / "rates-sinks.png").stat().st_size > 10_000
     mlm_table = (tmp_path / "mlm.md").read_text()
     assert mlm_table.count("\n| O |") + mlm_table.count("\n| E |") == 2
 
