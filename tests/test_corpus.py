@@ -23,9 +23,9 @@ from hf_attnscale.training.lm import windowed_perplexity as perplexity
 
 # Measured on the shipped checkpoint over the first 2048 tokens of two held-out modules present in
 # every supported Python version, in windows of BOS + 127 tokens (the positions it was trained on). File heads
-# are docstring-heavy, so this is above the 25.2 of the full held-out split; the 10% slack absorbs BLAS and
+# are docstring-heavy, so this is above the 46.6 of the full held-out split; the 10% slack absorbs BLAS and
 # Python-version drift.
-MEASURED_PPL_128 = 39.60
+MEASURED_PPL_128 = 70.60
 EVAL_NAMES, EVAL_TOKENS = ("http/client.py", "warnings.py"), 2048
 
 
