@@ -59,6 +59,7 @@ def test_stopped_and_continued_run_equals_one_straight_run(trainer, args, tmp_pa
     assert info["steps"] == 4 and info["command"].startswith(f"python -m {trainer.MODULE} --out ")
     assert info["tokens_seen"] == 4 * 2 * (32 if trainer is lm else 64)
     assert info["parameters"] > 0 and info["patch"] is None
+    assert info["train_seconds_this_session"] > 0 and info["train_tokens_per_second"] > 0
     assert "out" not in info["settings"] and "threads" not in info["settings"]
 
 

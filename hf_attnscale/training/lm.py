@@ -206,8 +206,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     def snapshot(path: Path) -> None:
         model.save_pretrained(path)
 
-    train_started = time.perf_counter()
-    first_step = run.step
     finished = run.run(
         loss_fn,
         save_every=args.save_every,
@@ -215,7 +213,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         on_snapshot=snapshot,
         stop_after=args.stop_after,
     )
-    train_seconds = time.perf_counter() - train_started
     if not finished:
         return
 
@@ -231,20 +228,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     write_info(
         args.out,
         {
-            **run_info(
-                run,
-                ["python", "-m", MODULE, *argv],
-                args.batch_size * args.context,
-                first_step,
-                train_seconds,
-            ),
+            **run_info(run, ["python", "-m", MODULE, *argv], args.batch_size * args.context),
             "train_corpus_tokens": corpus_tokens,
             f"heldout_ppl_{args.context}": heldout_ppl,
             "heldout_documents": len(heldout_docs),
             "long_heldout_ppl": length_ppl,
             "long_heldout_documents": len(long_docs),
             "long_heldout_tokens": sum(len(d) for d in long_docs),
-            "train_seconds_this_session": train_seconds,
             "wall_seconds_this_session": time.perf_counter() - started,
         },
     )

@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import shlex
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,6 +96,9 @@ class TrainRun:
     log: list[dict[str, float]] = field(default_factory=list)
     unlogged_losses: list[float] = field(default_factory=list)
     """The losses since the last log entry: checkpointed, so a resumed run logs the same means."""
+    session_steps: int = field(default=0, init=False)
+    session_seconds: float = field(default=0.0, init=False)
+    """Steps trained and seconds spent by the last `run` call (this process, not the whole run)."""
 
     def __post_init__(self) -> None:
         self.schedule = get_cosine_schedule_with_warmup(self.optimizer, self.warmup, self.steps)
@@ -157,6 +161,7 @@ class TrainRun:
         its checkpoint, and running it again continues from there.
         """
         self.model.train()
+        first, started = self.step, time.perf_counter()
         last = self.steps if stop_after is None else min(self.steps, stop_after)
         bar = tqdm(range(self.step + 1, last + 1), desc=self.out.name, unit="step", mininterval=10)
         for step in bar:
@@ -180,6 +185,7 @@ class TrainRun:
             if step % save_every == 0 or step == last:
                 self.save_checkpoint()
         self.model.eval()
+        self.session_steps, self.session_seconds = self.step - first, time.perf_counter() - started
         if self.step < self.steps:
             tqdm.write(f"stopped at step {self.step}/{self.steps}; run the same command again to continue")
         return self.step == self.steps
@@ -209,10 +215,8 @@ def run_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in RUNTIME_ONLY}
 
 
-def run_info(
-    run: TrainRun, command: Sequence[str], tokens_per_step: int, first_step: int, train_seconds: float
-) -> dict[str, Any]:
-    """What every finished run records: its command, settings, size, patch, tokens and loss log."""
+def run_info(run: TrainRun, command: Sequence[str], tokens_per_step: int) -> dict[str, Any]:
+    """What every finished run records: its command, settings, size, patch, tokens, speed and loss log."""
     patch = get_config(run.model)
     return {
         "command": shlex.join(command),
@@ -221,9 +225,10 @@ def run_info(
         "patch": None if patch is None else patch.to_dict(),
         "steps": run.steps,
         "tokens_seen": run.steps * tokens_per_step,
-        "train_tokens_per_second": (run.step - first_step) * tokens_per_step / max(train_seconds, 1e-9),
+        "train_tokens_per_second": run.session_steps * tokens_per_step / max(run.session_seconds, 1e-9),
         "final_train_loss": run.final_loss,
         "loss_log": run.log,
+        "train_seconds_this_session": run.session_seconds,
     }
 
 

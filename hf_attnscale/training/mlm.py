@@ -131,12 +131,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         logits = model(input_ids=inputs).logits
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100)
 
-    train_started = time.perf_counter()
-    first_step = run.step
     finished = run.run(
         loss_fn, save_every=args.save_every, snapshot_every=None, on_snapshot=None, stop_after=args.stop_after
     )
-    train_seconds = time.perf_counter() - train_started
     if not finished:
         return
 
@@ -148,16 +145,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     write_info(
         args.out,
         {
-            **run_info(
-                run,
-                ["python", "-m", MODULE, *argv],
-                args.batch_size * args.context,
-                first_step,
-                train_seconds,
-            ),
+            **run_info(run, ["python", "-m", MODULE, *argv], args.batch_size * args.context),
             "mlm_accuracy": {str(r.length): r.accuracy for r in accuracy},
             "mlm_masked_tokens": {str(r.length): r.tokens for r in accuracy},
-            "train_seconds_this_session": train_seconds,
             "wall_seconds_this_session": time.perf_counter() - started,
         },
     )
