@@ -231,6 +231,11 @@ STREAM_METHODS: dict[str, Callable[[], hfa.SinkCache | None]] = {
     "window-only (0+32)": lambda: hfa.SinkCache(0, 32),
     "4 sinks + 28": lambda: hfa.SinkCache(4, 28),
 }
+STREAM_GAINS = {  # what the sinks buy: (window-only, with sinks) of `STREAM_METHODS`, the same cache size
+    "1 sink (cache 128)": ("window-only (0+128)", "1 sink + 127"),
+    "4 sinks (cache 128)": ("window-only (0+128)", "4 sinks + 124"),
+    "4 sinks (cache 32)": ("window-only (0+32)", "4 sinks + 28"),
+}
 
 
 def streaming(runs: Path, out: Path) -> str:
@@ -283,18 +288,13 @@ def plot_streams(curves: dict[str, dict[str, list[float]]], path: Path) -> None:
     fig = Figure(figsize=(4.5 * len(curves), 7.5), dpi=110)
     FigureCanvasAgg(fig)
     axes = fig.subplots(2, len(curves), squeeze=False, sharey="row")
-    gains = {  # (window-only, with sinks): same cache size
-        "1 sink (cache 128)": ("window-only (0+128)", "1 sink + 127"),
-        "4 sinks (cache 128)": ("window-only (0+128)", "4 sinks + 124"),
-        "4 sinks (cache 32)": ("window-only (0+32)", "4 sinks + 28"),
-    }
     for column, (label, by_method) in enumerate(curves.items()):
         top, bottom = axes[0][column], axes[1][column]
         for method in ("dense", "window-only (0+128)", "4 sinks + 124", "window-only (0+32)", "4 sinks + 28"):
             x, nll = binned(by_method[method], 64)
             top.plot(x, nll.exp(), label=method)
         top.set(title=label, ylabel="perplexity (bins of 64)", yscale="log")
-        for name, (without, with_sinks) in gains.items():
+        for name, (without, with_sinks) in STREAM_GAINS.items():
             x, gain = binned([a - b for a, b in zip(by_method[without], by_method[with_sinks])], 256)
             bottom.plot(x, gain, marker="o", label=name)
         bottom.axhline(0, color="grey", lw=0.8)
@@ -600,8 +600,8 @@ RATE_RUNS = {  # label -> run: lm-vanilla's recipe at three peak learning rates,
     "peak lr 4e-3": "lm-vanilla-lr4e-3",
     "peak lr 6e-3": "lm-vanilla-lr6e-3",
 }
-RATE_GAINS = (("window-only (0+128)", "4 sinks + 124"), ("window-only (0+32)", "4 sinks + 28"))
-"""(window-only, with sinks) pairs of `STREAM_METHODS` with the same cache: what evicting BOS costs."""
+RATE_GAINS = (STREAM_GAINS["4 sinks (cache 128)"], STREAM_GAINS["4 sinks (cache 32)"])
+"""What evicting BOS costs, in the rates table: window-only against 4 sinks at both cache sizes."""
 
 
 def rates(runs: Path, out: Path) -> str:
