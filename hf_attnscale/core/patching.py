@@ -9,7 +9,7 @@ with the model, then install everything or nothing. What is installed on each at
 * for RoPE decoders, a forward that lets a `SinkCache` run the attention step (`hf_attnscale.core.routing`);
   for families that bypass the AttentionInterface (RoFormer), their replacement forward.
 
-The model's config records the patch under ``attn_scale``, so ``save_pretrained`` persists it; a task model
+The model's config records the patch under ``hf_attnscale``, so ``save_pretrained`` persists it; a task model
 first gets a private copy of its config, so that models built from one config object keep separate records.
 """
 

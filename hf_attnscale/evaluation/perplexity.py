@@ -2,8 +2,8 @@
 
 ``method="stream"`` feeds the stream through a `SinkCache`. With ``chunk_size=1`` this is the token-by-token
 reference of mit-han-lab's ``eval_long_ppl.py``; with larger chunks every token of a chunk still sees exactly
-what it would have seen token by token (see `hf_attnscale.cache`), so the result is the same to float
-rounding, many times faster. The baselines: ``"dense"`` (every token sees all earlier ones), window-only
+what it would have seen token by token (see `hf_attnscale.streaming.cache`), so the result is the same to
+float rounding, many times faster. The baselines: ``"dense"`` (every token sees all earlier ones), window-only
 (a `SinkCache` with ``sink_tokens=0``), and ``"recompute"`` (each token re-encodes its last ``window``
 tokens from scratch: the sliding window with re-computation that StreamingLLM reports its speed-up against).
 """

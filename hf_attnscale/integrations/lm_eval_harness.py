@@ -254,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # Under `python -m` this file runs as __main__; registering the real module's class (not this copy's)
-    # keeps one HFAttnScaleLM, whatever imports hf_attnscale.lm_eval later.
+    # keeps one HFAttnScaleLM, whatever imports hf_attnscale.integrations.lm_eval_harness later.
     from hf_attnscale.integrations.lm_eval_harness import main as _main
 
     sys.exit(_main())

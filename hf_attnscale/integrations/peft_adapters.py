@@ -158,7 +158,8 @@ def _lora_config_class() -> type:
             super().save_pretrained(save_directory, **kwargs)
             save_patch_config(save_directory, self.attn_scale)
 
-    # Picklable by name (hf_attnscale.finetune.AttnScaleLoraConfig, served by the module __getattr__).
+    # Picklable by name (hf_attnscale.integrations.peft_adapters.AttnScaleLoraConfig, served by the module
+    # __getattr__).
     AttnScaleLoraConfig.__module__ = __name__
     AttnScaleLoraConfig.__qualname__ = "AttnScaleLoraConfig"
     globals()["AttnScaleLoraConfig"] = AttnScaleLoraConfig
