@@ -9,14 +9,14 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from hf_attnscale.streaming.plan import Bookkeeping, build_plan
+from hf_attnscale.streaming.plan import SlotRecord, build_plan
 from hf_attnscale.streaming.rope import RopeTable, rotate_keys, rotation_basis
 
 
 def _same(a, b) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, Bookkeeping):
+    if isinstance(a, SlotRecord):
         return a.same_as(b)
     return a == b
 
@@ -32,23 +32,23 @@ def test_decoding_plan_equals_the_general_plan(sinks, window, batch):
     short paths (one row: in Python numbers) give the general plan field for field, and the stream goes on
     from the general plan."""
     generator = torch.Generator().manual_seed(sinks * 100 + window)
-    books = Bookkeeping.empty(batch, sinks, torch.device("cpu"))
+    slots = SlotRecord.empty(batch, sinks, torch.device("cpu"))
     decoded = 0
     for step in range(6 * (sinks + window) + 20):
         if step % 17 == 0:  # a chunk with padding in some rows (appended, compacted)
             new_valid = torch.rand(batch, 5, generator=generator) > 0.3
             new_valid[:, -1] = True
-            plan = build_plan(books, new_valid, sinks, window, torch.float32, in_place=False)
+            plan = build_plan(slots, new_valid, sinks, window, torch.float32, in_place=False)
         else:
             new_valid = torch.ones(batch, 1, dtype=torch.bool)
-            plan = build_plan(books, new_valid, sinks, window, torch.float32, in_place=True)
-            fast = build_plan(books, new_valid, sinks, window, torch.float32, in_place=True, all_valid=True)
+            plan = build_plan(slots, new_valid, sinks, window, torch.float32, in_place=True)
+            fast = build_plan(slots, new_valid, sinks, window, torch.float32, in_place=True, all_valid=True)
             general, short = _plan_fields(plan), _plan_fields(fast)
             assert general.keys() == short.keys()
             for name in general:
                 assert _same(general[name], short[name]), (step, name, general[name], short[name])
             decoded += 1
-        books = plan.after
+        slots = plan.after
     assert decoded > 5 * (sinks + window)
 
 

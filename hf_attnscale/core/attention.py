@@ -9,6 +9,8 @@ The steps, for each call that reaches a module carrying a patch state (`hf_attns
    kernel returns its log-sum-exp (`hf_attnscale.core.kernels`), else as an explicit zero key;
 4. run the inner backend.
 
+A call may bring hooks of its own (`hf_attnscale.core.hooks`): a query map, an output map, a probe.
+
 How calls get here (names, registration) is `hf_attnscale.core.dispatch`; this module is only the maths.
 """
 
@@ -18,9 +20,10 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers.integrations.sdpa_attention import create_position_bias_mask
 
-from .kernels import fused_sink_attention_cpu
+from .compat import create_position_bias_mask
+from .hooks import CallHooks
+from .kernels import fused_exit_attention_cpu
 from .laws import query_multiplier
 from .state import AttnScaleState
 
@@ -29,8 +32,9 @@ AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 def scaled_attention(
     state: AttnScaleState,
-    inner: str,
-    fn: AttentionFn,
+    hooks: CallHooks | None,
+    backend: str,
+    backend_fn: AttentionFn,
     module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -38,10 +42,11 @@ def scaled_attention(
     attention_mask: torch.Tensor | None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Apply the patch around one call of the inner backend ``fn``. Shapes: q ``(B,H,Tq,D)``, k/v ``(B,Hkv,Tk,D)``."""
+    """Apply the patch around one call of ``backend_fn``, the function of backend ``backend``; ``hooks`` are this
+    call's own additions (`hf_attnscale.core.hooks`). Shapes: q ``(B,H,Tq,D)``, k/v ``(B,Hkv,Tk,D)``."""
     config = state.config
-    if state.query_hook is not None:
-        query = state.query_hook(query)
+    if hooks is not None and hooks.query is not None:
+        query = hooks.query(query)
     is_causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if config.scale != "none":
@@ -51,34 +56,62 @@ def scaled_attention(
             attention_mask,
             causal=causal,
             sliding_window=kwargs.get("sliding_window"),
-            bottom_right=inner.startswith("flash"),
+            bottom_right=backend.startswith("flash"),
             device=query.device,
         )
         query = query * query_multiplier(config, n, state.ssmax).unsqueeze(-1).to(query.dtype)
     if config.has_exit:
-        check_exit_backend(inner, query.device)
-    sink = state.sink_logits(query.device) if config.has_exit else None
-    if state.probe is not None:
-        state.probe(module, query, key, attention_mask, causal=causal, sink=sink, inner=inner, **kwargs)
-    if sink is None:
-        return fn(module, query, key, value, attention_mask, **kwargs)
-    if inner.startswith("flash") or inner == "flex_attention":
+        check_exit_backend(backend, query.device)
+    exit_logits = state.exit_logits(query.device) if config.has_exit else None
+    if hooks is not None and hooks.probe is not None:
+        hooks.probe(
+            module,
+            query,
+            key,
+            attention_mask,
+            causal=causal,
+            exit_logits=exit_logits,
+            backend=backend,
+            **kwargs,
+        )
+    out, weights = _attend(
+        backend, backend_fn, module, query, key, value, attention_mask, exit_logits, causal, **kwargs
+    )
+    if hooks is not None and hooks.output is not None:
+        out = hooks.output(out)
+    return out, weights
+
+
+def _attend(backend, backend_fn, module, query, key, value, attention_mask, exit_logits, causal, **kwargs):
+    """The backend's attention, with the exit where ``exit_logits`` (per head) is given."""
+    if exit_logits is None:
+        return backend_fn(module, query, key, value, attention_mask, **kwargs)
+    if backend.startswith("flash") or backend == "flex_attention":
         # These backends implement learnable sinks natively (gpt-oss's `s_aux`).
-        return fn(module, query, key, value, attention_mask, s_aux=sink, **kwargs)
+        return backend_fn(module, query, key, value, attention_mask, s_aux=exit_logits, **kwargs)
     if kwargs.get("position_bias") is not None:  # a relative position bias (Inkling): fold it into the mask
         attention_mask = create_position_bias_mask(
             kwargs.pop("position_bias"), attention_mask, causal, query, key
         )
     dropout = kwargs.get("dropout", 0.0)
-    if inner == "sdpa" and query.device.type == "cpu" and dropout == 0.0 and key.shape[-1] == value.shape[-1]:
-        out = fused_sink_attention_cpu(query, key, value, attention_mask, sink, causal, kwargs.get("scaling"))
+    if (
+        backend == "sdpa"
+        and query.device.type == "cpu"
+        and dropout == 0.0
+        and key.shape[-1] == value.shape[-1]
+    ):
+        out = fused_exit_attention_cpu(
+            query, key, value, attention_mask, exit_logits, causal, kwargs.get("scaling")
+        )
         return out.transpose(1, 2).contiguous(), None
-    return _extra_key_attention(fn, module, query, key, value, attention_mask, sink, causal, **kwargs)
+    return _extra_key_attention(
+        backend_fn, module, query, key, value, attention_mask, exit_logits, causal, **kwargs
+    )
 
 
-def check_exit_backend(inner: str, device: torch.device) -> None:
+def check_exit_backend(backend: str, device: torch.device) -> None:
     """Raise ValueError where the exit cannot run: flex_attention's sinks need CUDA (transformers' own limit)."""
-    if inner == "flex_attention" and device.type == "cpu":
+    if backend == "flex_attention" and device.type == "cpu":
         raise ValueError(
             "zero_kv / sink_logit under flex_attention need a GPU (transformers runs flex sinks via its CUDA "
             "logsumexp); on CPU use attn_implementation='sdpa' or 'eager'."
@@ -162,7 +195,7 @@ def _dense_block_mask(block_mask, q_len: int, k_len: int) -> torch.Tensor:
     return create_mask(block_mask.mask_mod, batch, 1, q_len, k_len, device=block_mask.kv_num_blocks.device)
 
 
-def _extra_key_attention(fn, module, query, key, value, mask, sink, causal, **kwargs):
+def _extra_key_attention(backend_fn, module, query, key, value, mask, exit_logits, causal, **kwargs):
     """Exit as an explicit extra key: a zero key/value first, whose logit comes from a mask column.
 
     Exact for any backend that takes an additive 4D mask (eager, sdpa). The mask is materialised.
@@ -183,9 +216,9 @@ def _extra_key_attention(fn, module, query, key, value, mask, sink, causal, **kw
         body = mask[..., :k_len].to(dtype)
     # One shared column when every head has the same constant exit logit and the mask is shared by the heads;
     # learnable sinks, and masks with a head dimension (Doge's), need a column per head.
-    uniform = not sink.requires_grad and bool((sink == sink[0]).all())
+    uniform = not exit_logits.requires_grad and bool((exit_logits == exit_logits[0]).all())
     heads = 1 if uniform and body.shape[1] == 1 else num_heads
     body = body.expand(body.shape[0], heads, q_len, k_len)
-    column = sink.to(dtype).view(1, -1, 1, 1)[:, :heads].expand(body.shape[0], heads, q_len, 1)
-    out, weights = fn(module, query, key, value, torch.cat([column, body], dim=-1), **kwargs)
+    column = exit_logits.to(dtype).view(1, -1, 1, 1)[:, :heads].expand(body.shape[0], heads, q_len, 1)
+    out, weights = backend_fn(module, query, key, value, torch.cat([column, body], dim=-1), **kwargs)
     return out, (weights[..., 1:] if weights is not None else None)

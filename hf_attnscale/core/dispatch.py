@@ -13,12 +13,14 @@ once per process around the backend the model is set to *now*. So:
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any
 
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from .attention import AttentionFn, scaled_attention
+from .hooks import take_hooks
 from .state import state_of
 
 PREFIX = "hfa_"
@@ -26,27 +28,32 @@ SUPPORTED_BACKENDS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3",
 EAGER_SUFFIX = "eager_attention_forward"
 
 
-def backend_name(inner: str) -> str:
-    """The registered name of the wrapper around backend ``inner``."""
-    return PREFIX + inner
+def backend_name(backend: str) -> str:
+    """The registered name of the wrapper around ``backend``."""
+    return PREFIX + backend
 
 
-def check_backend(inner: str | None) -> str:
-    """``inner`` (None counts as eager) if hf_attnscale supports it; else ValueError naming the valid ones."""
-    inner = inner or "eager"
-    if inner not in SUPPORTED_BACKENDS:
+def check_backend(backend: str | None) -> str:
+    """``backend`` (None counts as eager) if hf_attnscale supports it; else ValueError naming the valid ones."""
+    backend = backend or "eager"
+    if backend not in SUPPORTED_BACKENDS:
         raise ValueError(
-            f"Attention backend {inner!r} is not supported by hf_attnscale; supported: "
+            f"Attention backend {backend!r} is not supported by hf_attnscale; supported: "
             f"{', '.join(SUPPORTED_BACKENDS)}. Switch with model.set_attn_implementation('sdpa')."
         )
-    return inner
+    return backend
 
 
-def register_backend(inner: str) -> str:
-    """Register the wrapper around ``inner`` (once per process) and return its name."""
-    name = backend_name(check_backend(inner))
+_REGISTERING = threading.Lock()
+
+
+def register_backend(backend: str) -> str:
+    """Register the wrapper around ``backend`` (once per process, whichever thread asks first); return its name."""
+    name = backend_name(check_backend(backend))
     if name not in ALL_ATTENTION_FUNCTIONS:
-        AttentionInterface.register(name, _make_wrapper(inner))
+        with _REGISTERING:
+            if name not in ALL_ATTENTION_FUNCTIONS:
+                AttentionInterface.register(name, _make_wrapper(backend))
     return name
 
 
@@ -106,14 +113,16 @@ def eager_function(module: nn.Module) -> AttentionFn:
     return _EAGER[cls]
 
 
-def _make_wrapper(inner: str) -> AttentionFn:
+def _make_wrapper(backend: str) -> AttentionFn:
     def hfa_attention_forward(module, query, key, value, attention_mask, **kwargs):
-        fn = eager_function(module) if inner == "eager" else ALL_ATTENTION_FUNCTIONS[inner]
+        backend_fn = eager_function(module) if backend == "eager" else ALL_ATTENTION_FUNCTIONS[backend]
+        hooks = take_hooks(kwargs)
         state = state_of(module)
         if state is None:  # e.g. cross-attention modules of a patched model
-            return fn(module, query, key, value, attention_mask, **kwargs)
-        out, weights = scaled_attention(state, inner, fn, module, query, key, value, attention_mask, **kwargs)
-        return (out if state.output_hook is None else state.output_hook(out)), weights
+            return backend_fn(module, query, key, value, attention_mask, **kwargs)
+        return scaled_attention(
+            state, hooks, backend, backend_fn, module, query, key, value, attention_mask, **kwargs
+        )
 
-    hfa_attention_forward.__name__ = f"hfa_{inner}_attention_forward"
+    hfa_attention_forward.__name__ = f"hfa_{backend}_attention_forward"
     return hfa_attention_forward

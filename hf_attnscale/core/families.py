@@ -171,3 +171,22 @@ def supported_model_types() -> list[str]:
         ):
             supported.append(model_type)
     return supported
+
+
+Rotary = tuple[nn.Module, str | None]
+"""A model's rotary embedding module, and the layer type a module passes it (Gemma-3's), if any."""
+
+
+def rotary_for(root: nn.Module, module: nn.Module) -> Rotary | None:
+    """The model's rotary embedding that feeds ``module``, and the layer type it takes (Gemma-3), if any.
+
+    None when the model has none, or several to choose between (streaming then says it cannot run).
+    """
+    rotaries = [m for m in root.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    if len(rotaries) != 1:
+        return None
+    rotary = rotaries[0]
+    layer_types = getattr(getattr(module, "config", None), "layer_types", None)
+    takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
+    layer_type = layer_types[module.layer_idx] if takes_type and layer_types else None
+    return rotary, layer_type

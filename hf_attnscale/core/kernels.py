@@ -13,7 +13,7 @@ import math
 import torch
 
 
-class _SinkAttentionCPU(torch.autograd.Function):
+class _ExitAttentionCPU(torch.autograd.Function):
     """sdpa's CPU flash kernel plus an exit of logit ``s`` per head: ``out · sigmoid(lse − s)``.
 
     The backward reuses the kernel's own backward: calling it with ``grad_out = α·dy`` and ``out = y``
@@ -22,11 +22,11 @@ class _SinkAttentionCPU(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, query, key, value, sink, mask, is_causal, scale):
+    def forward(ctx, query, key, value, exit_logits, mask, is_causal, scale):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, is_causal, attn_mask=mask, scale=scale
         )
-        alpha = torch.sigmoid(lse - sink.view(1, -1, 1))  # (B, H, Tq) float32
+        alpha = torch.sigmoid(lse - exit_logits.view(1, -1, 1))  # (B, H, Tq) float32
         # In place: the backward needs y, never the kernel's own output.
         y = out.mul_(alpha.unsqueeze(-1).to(out.dtype))
         ctx.save_for_backward(query, key, value, y, lse, alpha, mask)
@@ -41,16 +41,16 @@ class _SinkAttentionCPU(torch.autograd.Function):
             grad_out, query, key, value, y, lse, 0.0, ctx.is_causal, attn_mask=mask, scale=ctx.scale
         )
         # d loss / d s_h = -sum over rows of p_exit · <dy, y>, with p_exit = 1 - α.
-        grad_sink = -((1 - alpha) * (grad_y.float() * y.float()).sum(-1)).sum(dim=(0, 2))
-        return grad_q, grad_k, grad_v, grad_sink, None, None, None
+        grad_exit = -((1 - alpha) * (grad_y.float() * y.float()).sum(-1)).sum(dim=(0, 2))
+        return grad_q, grad_k, grad_v, grad_exit, None, None, None
 
 
-def fused_sink_attention_cpu(
+def fused_exit_attention_cpu(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     mask: torch.Tensor | None,
-    sink: torch.Tensor,
+    exit_logits: torch.Tensor,
     causal: bool,
     scaling: float | None,
 ) -> torch.Tensor:
@@ -70,4 +70,4 @@ def fused_sink_attention_cpu(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     # The kernel takes the projections' strided (B, T, H, D) layout as is and returns that layout, so the
     # caller's transpose back to (B, T, H, D) copies nothing.
-    return _SinkAttentionCPU.apply(query, key, value, sink, mask, is_causal, scale)
+    return _ExitAttentionCPU.apply(query, key, value, exit_logits, mask, is_causal, scale)

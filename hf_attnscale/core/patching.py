@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,13 +30,20 @@ from .attention import check_exit_backend
 from .checkpoint import CheckpointNotFound, read_tensors, safetensors_files
 from .config import CONFIG_KEY, AttnScaleConfig, ScaleName, SinkLogit, read_saved_config
 from .dispatch import PatchedConfigView, check_backend, routed_config
-from .families import Rule, attention_modules, query_heads, rule_for, takes_position_embeddings
+from .families import (
+    Rotary,
+    Rule,
+    attention_modules,
+    query_heads,
+    rotary_for,
+    rule_for,
+    takes_position_embeddings,
+)
 from .models import unwrap
-from .routing import cache_routed_forward
+from .routing import ROTARY_ATTR, cache_routed_forward
 from .state import STATE_NAME, AttnScaleState, get_config, patched_modules, state_of
 
 M = TypeVar("M", bound=nn.Module)
-ROTARY_ATTR = "_hfa_rotary"
 """Where a patched RoPE attention module keeps ``(the model's rotary embedding, its layer type)``: in its
 ``__dict__``, not as a submodule, so the state dict is unchanged and ``deepcopy`` / ``.to()`` follow the model."""
 
@@ -88,28 +94,28 @@ def apply(root: nn.Module, requested: AttnScaleConfig | None, checkpoint: list[P
     target = requested or saved or AttnScaleConfig()
     if get_config(root) == target and all(state_of(m) is not None for m in attention_modules(root)):
         return  # already in force: keep the live (possibly trained) parameters
-    plan = _plan(root, target)
-    if target == saved and plan.has_parameters:
-        _fill_learned(root, plan, checkpoint, required=requested is None)
-    _install(root, plan)
+    installation = _installation(root, target)
+    if target == saved and installation.has_parameters:
+        _fill_learned(root, installation, checkpoint, required=requested is None)
+    _install(root, installation)
 
 
 @dataclass
-class _Plan:
+class _Installation:
     """What `_install` puts on each attention module."""
 
     config: AttnScaleConfig
     rule: Rule
     modules: list[nn.Module]
     states: list[AttnScaleState]
-    rotary: list[tuple[nn.Module, str | None] | None] = field(default_factory=list)
+    rotary: list[Rotary | None] = field(default_factory=list)
 
     @property
     def has_parameters(self) -> bool:
         return any(True for state in self.states for _ in state.parameters())
 
 
-def _plan(root: nn.Module, config: AttnScaleConfig) -> _Plan:
+def _installation(root: nn.Module, config: AttnScaleConfig) -> _Installation:
     """Validate ``config`` for ``root`` and build fresh states; touches nothing on the model."""
     modules = attention_modules(root)
     rule = rule_for(root)
@@ -128,12 +134,12 @@ def _plan(root: nn.Module, config: AttnScaleConfig) -> _Plan:
         raise ValueError(f"Attention modules {sorted(set(missing))} have no config to route their calls by.")
     if config.has_exit and rule.no_exit:
         raise ValueError(f"zero_kv / sink_logit: {rule.no_exit}. Use the scale options alone.")
-    inner = check_backend(root.config._attn_implementation)
+    backend = check_backend(root.config._attn_implementation)
     if config.has_exit:
-        check_exit_backend(inner, next(root.parameters()).device)
+        check_exit_backend(backend, next(root.parameters()).device)
     states = [_new_state(config, query_heads(m, root.config), m) for m in modules]
-    rotary = [_rotary_for(root, m) if takes_position_embeddings(m) else None for m in modules]
-    return _Plan(config, rule, modules, states, rotary)
+    rotary = [rotary_for(root, m) if takes_position_embeddings(m) else None for m in modules]
+    return _Installation(config, rule, modules, states, rotary)
 
 
 def _new_state(config: AttnScaleConfig, num_heads: int, module: nn.Module) -> AttnScaleState:
@@ -145,24 +151,14 @@ def _new_state(config: AttnScaleConfig, num_heads: int, module: nn.Module) -> At
     return state
 
 
-def _rotary_for(root: nn.Module, module: nn.Module) -> tuple[nn.Module, str | None] | None:
-    """The model's rotary embedding that feeds ``module``, and the layer type it takes (Gemma-3), if any."""
-    rotaries = [m for m in root.modules() if type(m).__name__.endswith("RotaryEmbedding")]
-    if len(rotaries) != 1:
-        return None  # none, or several to choose between: streaming then says it cannot run
-    rotary = rotaries[0]
-    layer_types = getattr(getattr(module, "config", None), "layer_types", None)
-    takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
-    layer_type = layer_types[module.layer_idx] if takes_type and layer_types else None
-    return rotary, layer_type
-
-
-def _fill_learned(root: nn.Module, plan: _Plan, checkpoint: list[Path] | None, required: bool) -> None:
+def _fill_learned(
+    root: nn.Module, installation: _Installation, checkpoint: list[Path] | None, required: bool
+) -> None:
     """Copy the saved patch's learned values into the new states; raise if they are required but missing."""
     names = {id(m): n for n, m in root.named_modules()}
     wanted = {
         f"{names[id(m)]}.{STATE_NAME}.{p}" if names[id(m)] else f"{STATE_NAME}.{p}": (state, p)
-        for m, state in zip(plan.modules, plan.states)
+        for m, state in zip(installation.modules, installation.states)
         for p, _ in state.named_parameters()
     }
     try:
@@ -172,7 +168,7 @@ def _fill_learned(root: nn.Module, plan: _Plan, checkpoint: list[Path] | None, r
             return  # the options were given explicitly: a fresh patch is what was asked for
         raise ValueError(
             f"This model's config records an hf_attnscale patch with learned parameters "
-            f"({plan.config}), but they cannot be loaded: {err}. Load the model with "
+            f"({installation.config}), but they cannot be loaded: {err}. Load the model with "
             "hfa.from_pretrained(ModelClass, path), which reads them with the weights; or, to start from "
             "freshly initialised values, pass the options explicitly: hfa.patch(model, config=...)."
         ) from None
@@ -180,7 +176,7 @@ def _fill_learned(root: nn.Module, plan: _Plan, checkpoint: list[Path] | None, r
     absent = sorted(k for k in wanted if k not in learned)
     if absent and required:
         raise ValueError(
-            f"This model's config records an hf_attnscale patch with learned parameters ({plan.config}), but the "
+            f"This model's config records an hf_attnscale patch with learned parameters ({installation.config}), but the "
             f"checkpoint lacks {len(absent)} of them (e.g. {absent[0]!r}); it was not saved from the patched model."
         )
     with torch.no_grad():
@@ -190,16 +186,16 @@ def _fill_learned(root: nn.Module, plan: _Plan, checkpoint: list[Path] | None, r
                 getattr(state, name).copy_(tensor)
 
 
-def _install(root: nn.Module, plan: _Plan) -> None:
+def _install(root: nn.Module, installation: _Installation) -> None:
     """Put the planned states, config views and forwards on the modules: all of them, or none."""
-    snapshot = _snapshot(root, plan.modules)
+    snapshot = _snapshot(root, installation.modules)
     try:
         record = _record_config(root)
-        setattr(record, CONFIG_KEY, plan.config.to_dict())
-        for module, state, rotary in zip(plan.modules, plan.states, plan.rotary):
+        setattr(record, CONFIG_KEY, installation.config.to_dict())
+        for module, state, rotary in zip(installation.modules, installation.states, installation.rotary):
             module._modules[STATE_NAME] = state
-            if plan.rule.forward is not None:
-                module.forward = types.MethodType(plan.rule.forward, module)
+            if installation.rule.forward is not None:
+                module.forward = types.MethodType(installation.rule.forward, module)
                 continue
             module.config = routed_config(module.config)
             if takes_position_embeddings(module):
@@ -241,7 +237,7 @@ def _snapshot(root: nn.Module, modules: list[nn.Module]) -> dict[str, Any]:
         "record": (root.config, copy.deepcopy(getattr(root.config, CONFIG_KEY, None))),
         "configs": configs,
         "modules": [
-            (m, m._modules.get(STATE_NAME), m.__dict__.get("forward"), m.__dict__.get(ROTARY_ATTR, False))
+            (m, m._modules.get(STATE_NAME), m.__dict__.get("forward"), m.__dict__.get(ROTARY_ATTR))
             for m in modules
         ],
     }
@@ -259,7 +255,7 @@ def _restore(root: nn.Module, snapshot: dict[str, Any]) -> None:
     for module, state, forward, rotary in snapshot["modules"]:
         _put(module._modules, STATE_NAME, state)
         _put(module.__dict__, "forward", forward)
-        _put(module.__dict__, ROTARY_ATTR, rotary if rotary is not False else None)
+        _put(module.__dict__, ROTARY_ATTR, rotary)
 
 
 def _put(mapping: dict, key: str, value: Any) -> None:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .attention import scaled_attention
+from .hooks import take_hooks
 from .state import state_of
 
 
@@ -59,6 +60,7 @@ def roformer_self_attention_forward(
         key, value = cache.update(key, value, self.layer_idx)
     out, probs = scaled_attention(
         state_of(self),
+        take_hooks(kwargs),
         "eager",
         _roformer_eager,
         self,

@@ -4,18 +4,29 @@ StreamingLLM's pos-shift must place keys and queries at positions inside the cac
 knows, and it must see the keys before RoPE. So a patched module that takes RoPE's ``position_embeddings``
 gets this per-instance forward: when the ``past_key_values`` it is called with has an ``attention_step``
 method (`hf_attnscale.SinkCache` has), that method runs the step, calling the class's forward as it needs;
-otherwise the class's forward runs unchanged. The core never imports the streaming layer: this attribute is
-the whole protocol.
+otherwise the class's forward runs unchanged. The core never imports the streaming layer: this attribute, the
+rotary embedding the patch found for each module (`rotary_of`) and the per-call hooks (`forward_with_hooks`)
+are the whole protocol.
+
+Why this lives in the core: the patch is the one place that sees the whole model (to find the rotary module
+that feeds each attention module) and the one transaction that installs and removes per-instance forwards
+all at once, exactly; the streaming layer builds on it and only reads what it records.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+from typing import Any
 
 from torch import nn
 
+from .families import Rotary
+from .hooks import HOOKS_KWARG, CallHooks, ambient_hooks, using_hooks
+
 ATTENTION_STEP = "attention_step"
+ROTARY_ATTR = "_hfa_rotary"
+"""Per-instance attribute where the patch records the rotary embedding feeding a RoPE attention module."""
 
 
 @functools.cache
@@ -49,3 +60,25 @@ def cache_routed_forward(self: nn.Module, *args, **kwargs):
         kwargs["hidden_states"] = args[0]
     kwargs["past_key_values"] = kwargs.pop(name)
     return step(self, **kwargs)
+
+
+def rotary_of(module: nn.Module) -> Rotary | None:
+    """The rotary embedding the patch found for ``module`` (None: not patched, no RoPE, or no single one)."""
+    return module.__dict__.get(ROTARY_ATTR)
+
+
+def forward_with_hooks(module: nn.Module, hooks: CallHooks, **kwargs: Any):
+    """``module``'s class forward, with ``hooks`` on the attention call it makes (a probe set around the whole
+    model is kept).
+
+    The hooks travel as the forward's keyword argument ``hfa_hooks``, which transformers passes on to the
+    attention function; a forward that takes no arbitrary keywords gets them through the context instead.
+    """
+    ambient = ambient_hooks()
+    if ambient is not None and hooks.probe is None:
+        hooks = CallHooks(query=hooks.query, output=hooks.output, probe=ambient.probe)
+    forward = type(module).forward
+    if any(p.kind is p.VAR_KEYWORD for p in _signature(forward).parameters.values()):
+        return forward(module, **kwargs, **{HOOKS_KWARG: hooks})
+    with using_hooks(hooks):
+        return forward(module, **kwargs)

@@ -7,7 +7,7 @@ patched, and how" is answered by its modules, never by a name in a shared config
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -21,16 +21,12 @@ STATE_NAME = "hfa"
 
 
 class AttnScaleState(nn.Module):
-    """Per-attention-module patch state: the config and the learnable sink / SSMax parameters.
+    """Per-attention-module patch state: the config and the learnable exit / SSMax parameters.
 
     Being a child module named ``hfa``, its parameters appear as ``...self_attn.hfa.sink`` and
     ``...self_attn.hfa.ssmax`` in the state dict, so ``save_pretrained`` writes them, and PEFT can train them
-    via ``modules_to_save=["hfa"]``.
-
-    Attributes:
-        query_hook, output_hook: set for the duration of one call by a cache that runs the attention step
-            itself (`SinkCache`'s pos-shift): rotate the queries, and map the output ``(B, Tq, H, Dv)``.
-        probe: when set, called with what the backend is about to compute (see `hf_attnscale.diagnostics`).
+    via ``modules_to_save=["hfa"]``. (The exit's parameter keeps the name ``sink``, the name saved checkpoints
+    hold.) It holds nothing per call: the module is shared by every caller (`hf_attnscale.core.hooks`).
     """
 
     def __init__(self, config: AttnScaleConfig, num_heads: int):
@@ -43,11 +39,8 @@ class AttnScaleState(nn.Module):
             if config.scale == "ssmax"
             else None
         )
-        self.query_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self.output_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self.probe: Callable[..., None] | None = None
 
-    def sink_logits(self, device: torch.device) -> torch.Tensor:
+    def exit_logits(self, device: torch.device) -> torch.Tensor:
         """The exit logit of each head, float32 ``(H,)``."""
         if self.sink is not None:
             return self.sink.float()

@@ -1,6 +1,6 @@
 """Attention entropy, sink mass and softmax-gradient size, from the queries and keys the model computes.
 
-The measures are computed inside the patched attention function (a probe on each module's `AttnScaleState`),
+The measures are computed inside the patched attention function (a probe carried by the call, `hf_attnscale.core.hooks`),
 from the very query (after any scale law), keys, mask and exit logit the backend receives, so they describe the
 attention the model actually runs, whatever its backend. For each query row with distribution ``p`` over its
 ``n`` visible keys (plus the exit, if any):
@@ -24,9 +24,10 @@ from torch import nn
 
 from hf_attnscale.core.attention import visible_keys
 from hf_attnscale.core.config import AttnScaleConfig
+from hf_attnscale.core.hooks import CallHooks, using_hooks
 from hf_attnscale.core.models import unwrap
 from hf_attnscale.core.patching import patched
-from hf_attnscale.core.state import get_config, patched_modules, state_of
+from hf_attnscale.core.state import get_config, patched_modules
 from hf_attnscale.validation import check_int
 
 QUERY_CHUNK = 256
@@ -66,37 +67,39 @@ class AttentionStatistics:
 class _Collector:
     """Sums the measures of every probed call, per (layer, head, query position)."""
 
-    def __init__(self, sink_tokens: int) -> None:
+    def __init__(self, sink_tokens: int, modules: list[nn.Module]) -> None:
         self.sink_tokens = sink_tokens
+        self.layers = {id(module): layer for layer, module in enumerate(modules)}
         self.sums: dict[int, dict[str, torch.Tensor]] = {}
 
-    def probe(self, layer: int):
-        def record(module, query, key, attention_mask, *, causal, sink, inner, **kwargs) -> None:
-            measures = _measures(query, key, attention_mask, causal, sink, inner, self.sink_tokens, kwargs)
-            self.sums[layer] = (
-                {k: self.sums[layer][k] + v for k, v in measures.items()} if layer in self.sums else measures
-            )
-
-        return record
+    def record(self, module, query, key, attention_mask, *, causal, exit_logits, backend, **kwargs) -> None:
+        """The probe (`hf_attnscale.core.hooks.CallHooks`): add one attention call's measures to its layer's."""
+        layer = self.layers[id(module)]
+        measures = _measures(
+            query, key, attention_mask, causal, exit_logits, backend, self.sink_tokens, kwargs
+        )
+        self.sums[layer] = (
+            {k: self.sums[layer][k] + v for k, v in measures.items()} if layer in self.sums else measures
+        )
 
 
 @torch.no_grad()
 def _measures(
-    query, key, attention_mask, causal, sink, inner, sink_tokens, kwargs
+    query, key, attention_mask, causal, exit_logits, backend, sink_tokens, kwargs
 ) -> dict[str, torch.Tensor]:
     """The measures of one attention call, summed over the batch: each ``(heads, queries)``."""
     batch, heads, q_len, _ = query.shape
     k_len = key.shape[2]
     key = key.float().repeat_interleave(heads // key.shape[1], dim=1)
     scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
-    softcap = kwargs.get("softcap") if inner == "eager" else None
+    softcap = kwargs.get("softcap") if backend == "eager" else None
     visible = visible_keys(
         q_len,
         k_len,
         attention_mask,
         causal=causal,
         sliding_window=kwargs.get("sliding_window"),
-        bottom_right=inner.startswith("flash"),
+        bottom_right=backend.startswith("flash"),
         device=query.device,
     ).expand(batch, heads, q_len, k_len)
     out = {name: torch.zeros(heads, q_len) for name in (*MEASURES, "visible")}
@@ -106,8 +109,8 @@ def _measures(
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
         logits = logits.masked_fill(~visible[:, :, rows], -math.inf)
-        if sink is not None:
-            column = sink.float().view(1, -1, 1, 1).expand(batch, heads, logits.shape[2], 1)
+        if exit_logits is not None:
+            column = exit_logits.float().view(1, -1, 1, 1).expand(batch, heads, logits.shape[2], 1)
             logits = torch.cat([logits, column], dim=-1)
         p = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row that sees nothing attends nowhere
         plogp = torch.where(p > 0, p * p.clamp_min(1e-30).log(), torch.zeros_like(p))
@@ -125,19 +128,15 @@ def _measures(
 
 
 @contextlib.contextmanager
-def _probed(model: nn.Module, collector: _Collector) -> Iterator[None]:
-    """Probe every patched attention module of ``model`` (patched with the identity for the block if it was not)."""
+def _probed(model: nn.Module, sink_tokens: int) -> Iterator[_Collector]:
+    """Probe this thread's calls of every patched attention module of ``model`` (patched with the identity for
+    the block if it was not)."""
     with contextlib.ExitStack() as stack:
         if get_config(model) is None:
             stack.enter_context(patched(model, AttnScaleConfig()))
-        states = [state_of(m) for _, m in patched_modules(model)]
-        try:
-            for layer, state in enumerate(states):
-                state.probe = collector.probe(layer)
-            yield
-        finally:
-            for state in states:
-                state.probe = None
+        collector = _Collector(sink_tokens, [m for _, m in patched_modules(model)])
+        with using_hooks(CallHooks(probe=collector.record)):
+            yield collector
 
 
 @torch.no_grad()
@@ -165,9 +164,8 @@ def attention_statistics(
     sink_tokens = check_int("sink_tokens", sink_tokens, 1)
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
-    collector = _Collector(sink_tokens)
     root = unwrap(model)
-    with _probed(root, collector):
+    with _probed(root, sink_tokens) as collector:
         root(input_ids=input_ids.to(next(root.parameters()).device), attention_mask=attention_mask)
     if not collector.sums:
         raise ValueError("No attention call was probed: the model ran none of its patched attention modules.")

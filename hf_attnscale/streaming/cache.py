@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from hf_attnscale.core.patching import ROTARY_ATTR
-from hf_attnscale.core.routing import cache_argument
-from hf_attnscale.core.state import AttnScaleState, state_of
+from hf_attnscale.core.hooks import CallHooks
+from hf_attnscale.core.routing import cache_argument, forward_with_hooks, rotary_of
+from hf_attnscale.core.state import state_of
 from hf_attnscale.validation import check_int
 
-from .plan import Bookkeeping, Mode, StepPlan, build_plan
+from .plan import AttentionMode, Rotations, SlotRecord, StepPlan, WriteMode, build_plan
 from .pos_shift import (
     UNPATCHED_MESSAGE,
     check_sliding_window,
@@ -32,6 +34,7 @@ from .pos_shift import (
     streaming_refusal,
 )
 from .rope import (
+    CosSin,
     RopeFn,
     RopeTable,
     first_dims_rope,
@@ -64,11 +67,40 @@ def cache_settings(
     return check_int("sink_tokens", sinks, 0), check_int("window", window, 1)
 
 
+@dataclass(frozen=True)
+class PendingWrite:
+    """What a layer's next `SinkCacheLayer.update` does: the call's plan, the family's rotation, the layer's
+    RoPE table, and whether the module hands over its new keys already rotated at the plan's new positions."""
+
+    plan: StepPlan
+    rope: RopeFn
+    table: RopeTable
+    keys_rotated: bool
+
+
+class SinkRotation:
+    """The sinks' keys rotated at any cos/sin while decoding (no autograd).
+
+    From a basis ``a·cos + b·sin`` found once (`rotation_basis`) when the family's rotation has that form,
+    checked bitwise; otherwise by the family's own function each time.
+    """
+
+    def __init__(self, rope: RopeFn, sink_keys: torch.Tensor, cos_sin: CosSin) -> None:
+        self.rope, self.sink_keys = rope, sink_keys
+        self.basis = rotation_basis(rope, sink_keys, cos_sin)
+
+    def __call__(self, cos_sin: CosSin) -> torch.Tensor:
+        if self.basis is None:
+            return rotate_keys(self.rope, self.sink_keys, cos_sin)
+        (a, b), (cos, sin) = self.basis, cos_sin
+        return a * cos.unsqueeze(1) + b * sin.unsqueeze(1)
+
+
 class SinkCacheLayer(CacheLayerMixin):
     """One layer of a `SinkCache`: keys, values and the sinks' un-rotated keys, at most ``S + W`` slots.
 
     Slots ``0..S-1`` hold the sinks (rotated afresh for every call); the others hold window keys rotated at
-    their rank minus the row's base (see `hf_attnscale.streaming.plan`).
+    their index minus the row's base (see `hf_attnscale.streaming.plan`).
     """
 
     is_sliding = False
@@ -80,28 +112,16 @@ class SinkCacheLayer(CacheLayerMixin):
         super().__init__()
         self.sink_tokens = sink_tokens
         self.window = window
-        self.books: Bookkeeping | None = None
+        self.slots: SlotRecord | None = None
         self.sink_keys: torch.Tensor | None = None  # (B, Hkv, S, D), before RoPE
-        self._staged: tuple[StepPlan, RopeFn, RopeTable, bool] | None = None
-        # The sinks' rotation basis for decoding (`rotation_basis`); None: not found yet, False: none exists.
-        self._sink_basis: tuple[torch.Tensor, torch.Tensor] | bool | None = None
-
-    def stage(self, plan: StepPlan, rope: RopeFn, table: RopeTable, keys_rotated: bool = False) -> None:
-        """Set what the next `update` does: the call's plan, the family's rotation, the layer's RoPE table,
-        and whether the module hands over its new keys already rotated at the plan's new positions."""
-        self._staged = (plan, rope, table, keys_rotated)
-
-    def unstage(self) -> None:
-        self._staged = None
+        self._sink_rotation: SinkRotation | None = (
+            None  # built at the first decoding step after the sinks came
+        )
 
     @property
-    def staged(self) -> bool:
-        return self._staged is not None
-
-    @property
-    def rank(self) -> torch.Tensor | None:
-        """``(B, C)``: the stream rank of the token in each slot, -1 for a free slot (None before any token)."""
-        return None if self.books is None else self.books.rank
+    def token_index(self) -> torch.Tensor | None:
+        """``(B, C)``: the stream index of the token in each slot, -1 for a free slot (None before any token)."""
+        return None if self.slots is None else self.slots.index
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, dim = key_states.shape
@@ -113,49 +133,46 @@ class SinkCacheLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        *args,
+        write: PendingWrite | None = None,
+        **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new keys (pre-RoPE, unless staged as rotated) and values; return every key and value
-        the new queries read."""
-        if self._staged is None:
+        """Store the new keys (pre-RoPE, unless ``write`` says they are rotated) and values; return every key
+        and value the new queries read."""
+        if write is None:
             raise ValueError(UNPATCHED_MESSAGE)
-        plan, rope, table, keys_rotated = self._staged
-        self._staged = None
+        plan, rope = write.plan, write.rope
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         sinks = self.sink_tokens
-        turns = plan.rotations(table)
+        rotations = plan.rotations(write.table)
         keys, values, sink_keys = self.keys, self.values, self.sink_keys
-        if plan.rebase is not None:  # the base moved: rotate the stored window keys back by the move
-            window = rotate_keys(rope, keys[:, :, sinks:], turns["rebase"])
+        if rotations.rebase is not None:  # the base moved: rotate the stored window keys back by the move
+            window = rotate_keys(rope, keys[:, :, sinks:], rotations.rebase)
             keys = torch.cat([keys[:, :, :sinks], window], dim=2)
-        if plan.new_sink_rank is not None:
-            sink_keys, values = _store_sinks(plan.new_sink_rank, key_states, value_states, sink_keys, values)
-            self._sink_basis = None
-        new_keys = key_states if keys_rotated else rotate_keys(rope, key_states, turns["new"])
-        if plan.write_slot is not None:  # decoding (no autograd): one token into a free slot, nothing copied
+        if plan.has_new_sinks:
+            sink_keys, values = _store_sinks(plan.new_sink_index, key_states, value_states, sink_keys, values)
+            self._sink_rotation = None
+        new_keys = key_states if write.keys_rotated else rotate_keys(rope, key_states, rotations.new)
+        if plan.write is WriteMode.IN_PLACE:  # one token into a free slot, nothing copied
             _write(keys, new_keys, plan.write_slot)
             _write(values, value_states, plan.write_slot)
-            keys[:, :, :sinks] = self._decoding_sinks(rope, sink_keys, turns["sinks"])
+            if self._sink_rotation is None:
+                self._sink_rotation = SinkRotation(rope, sink_keys, rotations.sinks)
+            keys[:, :, :sinks] = self._sink_rotation(rotations.sinks)
         else:
             keys, values = torch.cat([keys, new_keys], dim=2), torch.cat([values, value_states], dim=2)
-            keys = torch.cat([rotate_keys(rope, sink_keys, turns["sinks"]), keys[:, :, sinks:]], dim=2)
-        out = _doubled(rope, keys, values, sink_keys, turns) if plan.mode is Mode.DOUBLED else (keys, values)
-        if plan.keep_index is not None:
+            keys = torch.cat([rotate_keys(rope, sink_keys, rotations.sinks), keys[:, :, sinks:]], dim=2)
+        read = (keys, values)
+        if plan.mode is AttentionMode.DOUBLED:
+            read = _doubled(rope, keys, values, sink_keys, rotations)
+        if plan.write is WriteMode.APPEND:
             keys, values = _gather_slots(keys, plan.keep_index), _gather_slots(values, plan.keep_index)
-        self.keys, self.values, self.sink_keys, self.books = keys, values, sink_keys, plan.after
-        return out
-
-    def _decoding_sinks(
-        self, rope: RopeFn, sink_keys: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
-    ):
-        """The sinks rotated for a decoding step (no autograd), from their basis once it is found."""
-        if self._sink_basis is None:
-            self._sink_basis = rotation_basis(rope, sink_keys, cos_sin) or False
-        if self._sink_basis is False:
-            return rotate_keys(rope, sink_keys, cos_sin)
-        (a, b), (cos, sin) = self._sink_basis, cos_sin
-        return a * cos.unsqueeze(1) + b * sin.unsqueeze(1)
+        self.keys, self.values, self.sink_keys, self.slots = keys, values, sink_keys, plan.after
+        return read
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # transformers then builds a mask over the new tokens only; the pos-shift step reads their padding
@@ -163,14 +180,13 @@ class SinkCacheLayer(CacheLayerMixin):
         return query_length, self.get_seq_length()
 
     def get_seq_length(self) -> int:
-        return 0 if self.books is None else self.books.seen
+        return 0 if self.slots is None else self.slots.seen
 
     def get_max_length(self) -> int:
         return -1  # the stream is unbounded; the memory is not (see `SinkCache.capacity`)
 
     def reset(self) -> None:
-        self.keys = self.values = self.sink_keys = self.books = None
-        self._staged = self._sink_basis = None
+        self.keys = self.values = self.sink_keys = self.slots = self._sink_rotation = None
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -179,15 +195,14 @@ class SinkCacheLayer(CacheLayerMixin):
             "speculative decoding needs a cache that can; use DynamicCache for it."
         )
 
-    def _select_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self._sink_basis = None
+    def _select_rows(self, select: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._sink_rotation = None
         for name in ("keys", "values", "sink_keys"):
             tensor = getattr(self, name)
             if tensor is not None:
-                setattr(self, name, fn(tensor))
-        if self.books is not None:
-            books = self.books
-            self.books = Bookkeeping(fn(books.rank), fn(books.seen_valid), fn(books.base), books.seen)
+                setattr(self, name, select(tensor))
+        if self.slots is not None:
+            self.slots = self.slots.select_rows(select)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -199,12 +214,12 @@ class SinkCacheLayer(CacheLayerMixin):
         self._select_rows(lambda t: t[indices])
 
 
-def _store_sinks(new_sink_rank, key_states, value_states, sink_keys, values):
+def _store_sinks(new_sink_index, key_states, value_states, sink_keys, values):
     """Keep the pre-RoPE keys and the values of new tokens that are sinks, in their reserved slots."""
     batch, heads, _, dim = key_states.shape
     sinks = sink_keys.shape[2]
     # Scatter every new token; non-sinks go to a spare slot past the end, which is dropped.
-    index = new_sink_rank.masked_fill(new_sink_rank < 0, sinks)[:, None, :, None]
+    index = new_sink_index.masked_fill(new_sink_index < 0, sinks)[:, None, :, None]
     spare_keys = torch.cat([sink_keys, sink_keys[:, :, :1]], dim=2)
     sink_keys = spare_keys.scatter(2, index.expand(batch, heads, -1, dim), key_states)[:, :, :sinks]
     head_values = torch.cat([values[:, :, :sinks], values[:, :, :1]], dim=2)
@@ -222,7 +237,7 @@ def _write(buffer: torch.Tensor, new: torch.Tensor, slot: torch.Tensor) -> None:
     buffer.scatter_(2, index, new)
 
 
-def _doubled(rope: RopeFn, keys, values, sink_keys, turns):
+def _doubled(rope: RopeFn, keys, values, sink_keys, rotations: Rotations):
     """DOUBLED mode's keys ``[k, 0]`` then sinks ``[0, R(i) k]``; values zero-padded to the same width."""
     batch, heads, slots, dim = keys.shape
     if values.shape[-1] != dim:
@@ -230,7 +245,7 @@ def _doubled(rope: RopeFn, keys, values, sink_keys, turns):
     sinks = sink_keys.shape[2]
     wide_keys = keys.new_zeros(batch, heads, slots + sinks, 2 * dim)
     wide_keys[:, :, :slots, :dim] = keys
-    wide_keys[:, :, slots:, dim:] = rotate_keys(rope, sink_keys, turns["sink_slots"])
+    wide_keys[:, :, slots:, dim:] = rotate_keys(rope, sink_keys, rotations.sink_copies)
     wide_values = values.new_zeros(batch, values.shape[1], slots + sinks, 2 * dim)
     wide_values[:, :, :slots, :dim] = values
     wide_values[:, :, slots:, :dim] = values[:, :, :sinks]
@@ -242,6 +257,26 @@ def _gather_slots(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         return x.index_select(2, index)
     batch, heads, _, dim = x.shape
     return x.gather(2, index.view(batch, 1, -1, 1).expand(batch, heads, index.shape[1], dim))
+
+
+@dataclass
+class _CallState:
+    """What one model call through the cache works out and shares between its layers; made afresh when the
+    call reaches its first attention layer, so nothing of it outlives the call."""
+
+    first_layer: int
+    plans: dict[int, StepPlan] = field(default_factory=dict)  # by tokens seen before them (prompt pieces)
+    validity: dict[int, tuple[Any, torch.Tensor, bool]] = field(default_factory=dict)  # by id(mask)
+    pending: tuple[int, PendingWrite] | None = None  # (layer, its write) while a layer's forward runs
+
+
+@dataclass
+class _StreamMemo:
+    """What a stream works out once and keeps: its RoPE tables, each module's rotation, the model it checked."""
+
+    tables: dict[tuple, RopeTable] = field(default_factory=dict)
+    module_ropes: dict[tuple, tuple[nn.Module, RopeFn]] = field(default_factory=dict)  # the module held too
+    checked_config: Any = None
 
 
 class SinkCache(Cache):
@@ -258,7 +293,8 @@ class SinkCache(Cache):
         >>> out = model.generate(ids, past_key_values=cache, max_new_tokens=10_000)
 
     Passing the same cache to the next ``generate`` call continues the stream. Beam search works; assisted
-    decoding raises (a sink cache cannot roll back).
+    decoding raises (a sink cache cannot roll back). One model serves many streams at once, from several
+    threads too: each stream needs a cache of its own, and everything a call needs lives in its cache.
 
     Args:
         sink_tokens: number of initial tokens kept for good (StreamingLLM uses 4); 0 gives window attention.
@@ -269,13 +305,8 @@ class SinkCache(Cache):
         self.sink_tokens = check_int("sink_tokens", sink_tokens, 0)
         self.window = check_int("window", window, 1)
         super().__init__(layers=[])
-        # Plans of the current model call, by the tokens seen before them (one per piece of a long prompt).
-        self._plans: dict[int, StepPlan] = {}
-        self._first_layer: int | None = None
-        self._tables: dict[tuple, RopeTable] = {}
-        self._module_ropes: dict[tuple, tuple[nn.Module, RopeFn]] = {}
-        self._validity: tuple | None = None
-        self._served_config = None
+        self._call: _CallState | None = None
+        self._memo = _StreamMemo()
 
     @classmethod
     def from_start_recent(cls, start_size: int, recent_size: int) -> SinkCache:
@@ -305,23 +336,23 @@ class SinkCache(Cache):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer_idx >= len(self.layers) or not self.layers[layer_idx].staged:
+        pending = self._call.pending if self._call is not None else None
+        if pending is None or pending[0] != layer_idx:
             raise ValueError(UNPATCHED_MESSAGE)
-        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        return self.layers[layer_idx].update(key_states, value_states, write=pending[1])
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return query_length, self.get_seq_length(layer_idx)
 
     def reset(self) -> None:
         super().reset()
-        self._plans = {}
-        self._validity = None
+        self._call = None
 
     def attention_step(
         self,
         module: nn.Module,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        position_embeddings: CosSin | None = None,
         attention_mask: torch.Tensor | None = None,
         past_key_values: SinkCache | None = None,
         **kwargs,
@@ -330,13 +361,12 @@ class SinkCache(Cache):
 
         Called by a patched RoPE attention module's forward (`hf_attnscale.core.routing`) in place of its own.
         What does not change between calls is worked out once: per model call (the checks on the model, the
-        plan), per module (its rotation, its RoPE table) and per mask (which new tokens are padding).
+        plan, which new tokens are padding) and per stream (each module's rotation, its RoPE table).
         """
-        state = state_of(module)
-        if state is None or module.__dict__.get(ROTARY_ATTR) is None:
+        if state_of(module) is None or rotary_of(module) is None:
             raise ValueError(UNPATCHED_MESSAGE)
-        if self._first_layer is None or module.layer_idx <= self._first_layer:
-            self._begin_call(module)
+        if self._call is None or module.layer_idx <= self._call.first_layer:
+            self._call = self._begin_call(module)  # a layer at or before the call's first: a new model call
         batch, q_len = hidden_states.shape[:2]
         new_valid, all_valid = self._new_validity(attention_mask, batch, q_len, hidden_states.device)
         rope, table = self._module_rotation(module, hidden_states, position_embeddings, kwargs)
@@ -351,35 +381,31 @@ class SinkCache(Cache):
             )
             out, weights = self._run_piece(
                 module,
-                state,
                 hidden_states[:, piece] if pieces else hidden_states,
-                plan,
-                rope,
-                table,
+                PendingWrite(plan, rope, table, keys_rotated=_rotates_itself(plan)),
                 per_token_slice(kwargs, q_len, piece) if pieces else kwargs,
             )
             outputs.append(out)
         return (outputs[0], weights) if len(outputs) == 1 else (torch.cat(outputs, dim=1), None)
 
-    def _begin_call(self, module: nn.Module) -> None:
-        """A new model call (its first attention layer): check the model as it is now, drop stale plans."""
+    def _begin_call(self, module: nn.Module) -> _CallState:
+        """A new model call (its first attention layer): check the model as it is now."""
         model_config = module.config.model_config
         check_streaming_backend(model_config._attn_implementation)
-        if model_config is not self._served_config:  # a family's refusal depends on its config alone
+        if model_config is not self._memo.checked_config:  # a family's refusal depends on its config alone
             reason = streaming_refusal(model_config)
             if reason:
                 raise ValueError(reason)
-            self._served_config = model_config
-        self._first_layer = module.layer_idx
-        self._plans = {}
+            self._memo.checked_config = model_config
+        return _CallState(first_layer=module.layer_idx)
 
     def _new_validity(
         self, attention_mask: torch.Tensor | None, batch: int, q_len: int, device: torch.device
     ) -> tuple[torch.Tensor, bool]:
-        """``(B, q)`` bool of the real new tokens, and whether all are real; read once per mask object."""
-        seen = self._validity
-        if seen is not None and seen[0] is attention_mask and seen[1] == (batch, q_len):
-            return seen[2], seen[3]
+        """``(B, q)`` bool of the real new tokens, and whether all are real; read once per mask of the call."""
+        seen = self._call.validity.get(id(attention_mask))
+        if seen is not None:
+            return seen[1], seen[2]
         new_valid = new_token_validity(attention_mask, batch, q_len, device)
         all_valid = attention_mask is None or bool(new_valid.all())
         if not all_valid and not bool(new_valid.any()):
@@ -387,22 +413,22 @@ class SinkCache(Cache):
                 "The attention_mask marks every new token as padding. With a cache, pass a 2D attention_mask "
                 "that covers the past and the new tokens, (batch, past + new), as generate() does; or none."
             )
-        # The mask is held, so that its identity is not reused by another object while it is compared.
-        self._validity = (attention_mask, (batch, q_len), new_valid, all_valid)
+        # The mask is held, so that its identity is not reused by another object during the call.
+        self._call.validity[id(attention_mask)] = (attention_mask, new_valid, all_valid)
         return new_valid, all_valid
 
     def _module_rotation(
         self,
         module: nn.Module,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+        position_embeddings: CosSin | None,
         kwargs: dict,
     ) -> tuple[RopeFn, RopeTable]:
         """The module's rotation (its family's RoPE, over its rotary dims, or none) and its RoPE table."""
-        rotary, layer_type = module.__dict__[ROTARY_ATTR]
+        rotary, layer_type = rotary_of(module)
         table = self.rope_table(rotary, layer_type, hidden_states)
         key = (id(module), table)
-        if key not in self._module_ropes:
+        if key not in self._memo.module_ropes:
             check_sliding_window(module, self.window)
             if position_embeddings is None:
                 q_len = hidden_states.shape[1]
@@ -418,59 +444,40 @@ class SinkCache(Cache):
             rotates = layer_rotates(module, hidden_states, position_embeddings, _identity(cos, sin), **kwargs)
             family_rope = sys.modules[type(module).__module__].apply_rotary_pos_emb
             rope = pair_rope(family_rope) if rotates else no_rotation
-            self._module_ropes[key] = (module, first_dims_rope(rope, cos.shape[-1]))  # the module is held too
-        return self._module_ropes[key][1], table
+            self._memo.module_ropes[key] = (module, first_dims_rope(rope, cos.shape[-1]))
+        return self._memo.module_ropes[key][1], table
 
-    def _run_piece(
-        self,
-        module: nn.Module,
-        state: AttnScaleState,
-        hidden_states: torch.Tensor,
-        plan: StepPlan,
-        rope: RopeFn,
-        table: RopeTable,
-        kwargs: dict,
-    ):
-        """One call of the module's class forward, with the plan staged on its layer and its query hook set.
+    def _run_piece(self, module: nn.Module, hidden_states: torch.Tensor, write: PendingWrite, kwargs: dict):
+        """One call of the module's class forward, with ``write`` pending on its layer.
 
-        When the queries and the new keys share one rotation and no new token is a sink (decoding, and every
-        chunk of a stream past its first tokens), the module rotates them itself at the plan's positions, as
-        in a plain forward; otherwise it rotates by the identity (cos = 1, sin = 0 in the real shapes, so
-        partial rotary stays right) and the hook and the cache rotate after it.
+        When the module rotates its queries and new keys itself (`_rotates_itself`), it gets the plan's
+        positions, as in a plain forward; otherwise it rotates by the identity (cos = 1, sin = 0 in the real
+        shapes, so partial rotary stays right), and the call's hooks and the cache rotate after it.
         """
-        layer = self.layer(module.layer_idx)
-        turns = plan.rotations(table)
-        own_rotation = plan.mode is Mode.SINGLE and plan.new_sink_rank is None
-        layer.stage(plan, rope, table, keys_rotated=own_rotation)
-        embeddings = turns["new"] if own_rotation else _identity(*turns["new"])
-        if plan.mode is Mode.DOUBLED:
-            state.query_hook = lambda q: torch.cat(
-                [rotate_queries(rope, q, turns["new"]), rotate_queries(rope, q, turns["mid"])], dim=-1
-            )
-            # values were zero-padded to 2D; contiguous, as some families .view() the output
-            state.output_hook = lambda out: out[..., : out.shape[-1] // 2].contiguous()
-        elif not own_rotation:
-            state.query_hook = lambda q: rotate_queries(rope, q, turns["new"])
+        plan, rope = write.plan, write.rope
+        rotations = plan.rotations(write.table)
+        self.layer(module.layer_idx)
+        self._call.pending = (module.layer_idx, write)
+        arguments = {
+            "hidden_states": hidden_states,
+            "position_embeddings": rotations.new if write.keys_rotated else _identity(*rotations.new),
+            "attention_mask": plan.mask,
+            cache_argument(module): self,
+            **kwargs,
+        }
         try:
-            return type(module).forward(
-                module,
-                hidden_states=hidden_states,
-                position_embeddings=embeddings,
-                attention_mask=plan.mask,
-                **{cache_argument(module): self},
-                **kwargs,
-            )
+            if write.keys_rotated:
+                return type(module).forward(module, **arguments)
+            return forward_with_hooks(module, _pos_shift_hooks(plan.mode, rope, rotations), **arguments)
         finally:
-            if not own_rotation:
-                state.query_hook = state.output_hook = None
-            layer.unstage()
+            self._call.pending = None
 
     def rope_table(self, rotary: nn.Module, layer_type: str | None, like: torch.Tensor) -> RopeTable:
         """The RoPE table of one rotary embedding (and layer type) for this stream, built on first use."""
         key = (id(rotary), layer_type, like.dtype, like.device)
-        if key not in self._tables:
-            self._tables[key] = RopeTable(rotary, layer_type, like, self.capacity)
-        return self._tables[key]
+        if key not in self._memo.tables:
+            self._memo.tables[key] = RopeTable(rotary, layer_type, like, self.capacity)
+        return self._memo.tables[key]
 
     def plan(self, layer_idx: int, new_valid: torch.Tensor, dtype: torch.dtype, all_valid: bool) -> StepPlan:
         """The `StepPlan` for the next call of layer ``layer_idx``; built once per model call and shared.
@@ -480,22 +487,44 @@ class SinkCache(Cache):
             dtype: the query dtype (of the mask).
             all_valid: whether ``new_valid`` is all True.
         """
-        layer = self.layer(layer_idx)
-        books = layer.books or Bookkeeping.empty(new_valid.shape[0], self.sink_tokens, new_valid.device)
-        if books.seen_valid.shape[0] != new_valid.shape[0]:
+        slots = self.layer(layer_idx).slots
+        slots = slots or SlotRecord.empty(new_valid.shape[0], self.sink_tokens, new_valid.device)
+        if slots.real_tokens.shape[0] != new_valid.shape[0]:
             raise ValueError(
-                f"This SinkCache holds a batch of {books.seen_valid.shape[0]} streams but got "
+                f"This SinkCache holds a batch of {slots.real_tokens.shape[0]} streams but got "
                 f"{new_valid.shape[0]}; use one cache per batch (or cache.reset())."
             )
         # Writing into the cache in place would break autograd's saved tensors; it only pays off when decoding.
         in_place = not torch.is_grad_enabled()
-        plan = self._plans.get(books.seen)
-        if plan is None or not plan.matches(books, new_valid, dtype, in_place):
-            plan = build_plan(books, new_valid, self.sink_tokens, self.window, dtype, in_place, all_valid)
-            self._plans[books.seen] = plan
+        plans = self._call.plans
+        plan = plans.get(slots.seen)
+        if plan is None or not plan.matches(slots, new_valid, dtype, in_place):
+            plan = build_plan(slots, new_valid, self.sink_tokens, self.window, dtype, in_place, all_valid)
+            plans[slots.seen] = plan
         return plan
 
 
-def _identity(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _rotates_itself(plan: StepPlan) -> bool:
+    """Whether the module can rotate this call's queries and new keys itself, at the plan's new positions: they
+    share one rotation (SINGLE), and no new token is a sink (the sinks are stored before RoPE). That is decoding,
+    and every chunk of a stream past its first tokens."""
+    return plan.mode is AttentionMode.SINGLE and not plan.has_new_sinks
+
+
+def _pos_shift_hooks(mode: AttentionMode, rope: RopeFn, rotations: Rotations) -> CallHooks:
+    """The hooks of a call whose module rotated nothing: rotate its queries (DOUBLED: both halves), and drop
+    the DOUBLED output's padding."""
+    if mode is AttentionMode.SINGLE:
+        return CallHooks(query=lambda q: rotate_queries(rope, q, rotations.new))
+    return CallHooks(
+        query=lambda q: torch.cat(
+            [rotate_queries(rope, q, rotations.new), rotate_queries(rope, q, rotations.mid)], dim=-1
+        ),
+        # values were zero-padded to 2D; contiguous, as some families .view() the output
+        output=lambda out: out[..., : out.shape[-1] // 2].contiguous(),
+    )
+
+
+def _identity(cos: torch.Tensor, sin: torch.Tensor) -> CosSin:
     """RoPE as the identity, in the real cos/sin shapes (Phi-3 rotates only part of the head)."""
     return torch.ones_like(cos), torch.zeros_like(sin)

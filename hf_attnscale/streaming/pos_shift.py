@@ -10,18 +10,20 @@ compose without special cases.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 from transformers import DynamicCache
 
 from hf_attnscale.core.families import attention_modules, rule_for, takes_position_embeddings
 from hf_attnscale.core.models import unwrap
-from hf_attnscale.core.patching import ROTARY_ATTR
-from hf_attnscale.core.routing import cache_argument
+from hf_attnscale.core.routing import cache_argument, rotary_of
 from hf_attnscale.core.state import get_config
 
 STREAMING_BACKENDS = ("eager", "sdpa")
 ROTATES_ATTR = "_hfa_rotates"
+_FINDING_ROTATION = threading.Lock()
 UNPATCHED_MESSAGE = (
     "This attention module cannot stream with a SinkCache. SinkCache needs a RoPE decoder patched with "
     "hfa.patch(model) (with no options it changes nothing else), using eager or sdpa attention; unpatched "
@@ -52,7 +54,7 @@ def check_streaming_model(model: nn.Module) -> None:
             f"{len(modules)} of its {layers} layers are attention; the others (recurrent, linear attention or "
             "state-space layers) keep a state of their own that a SinkCache does not hold."
         )
-    if any(m.__dict__.get(ROTARY_ATTR) is None for m in modules):
+    if any(rotary_of(m) is None for m in modules):
         raise ValueError(
             f"SinkCache cannot find the one rotary embedding module of this {type(root).__name__} "
             "(none, or several to choose between), so it cannot place keys inside the cache."
@@ -109,30 +111,40 @@ def layer_rotates(module: nn.Module, hidden_states, position_embeddings, identit
     Some families skip RoPE on some layers (NoPE); rotating their keys in the cache would be wrong. The keys
     the layer hands its cache are compared under the identity and under real, non-trivial cos/sin.
     """
-    if ROTATES_ATTR not in module.__dict__:
-        probe = hidden_states[:1, :2].detach()
-        extra = per_token_slice(extra, hidden_states.shape[1], slice(0, 2), batch=slice(0, 1))
-        cos, sin = position_embeddings
-        turned = (cos[:1, -1:].expand(1, probe.shape[1], -1), sin[:1, -1:].expand(1, probe.shape[1], -1))
-        turned = turned if bool((turned[1] != 0).any()) else _some_rotation(turned)
-        keys = []
-        for embeddings in (
-            (identity[0][:1, :1].expand_as(turned[0]), identity[1][:1, :1].expand_as(turned[1])),
-            turned,
-        ):
-            recorder = DynamicCache()
-            with torch.no_grad():
-                type(module).forward(
-                    module,
-                    hidden_states=probe,
-                    position_embeddings=embeddings,
-                    attention_mask=None,
-                    **{cache_argument(module): recorder},
-                    **extra,
-                )
-            keys.append(recorder.layers[module.layer_idx].keys)
-        module.__dict__[ROTATES_ATTR] = not torch.equal(keys[0], keys[1])
+    if ROTATES_ATTR in module.__dict__:
+        return module.__dict__[ROTATES_ATTR]
+    with _FINDING_ROTATION:  # found once per module, whichever stream asks first; never changed after
+        if ROTATES_ATTR not in module.__dict__:
+            module.__dict__[ROTATES_ATTR] = _rotates(
+                module, hidden_states, position_embeddings, identity, extra
+            )
     return module.__dict__[ROTATES_ATTR]
+
+
+def _rotates(module: nn.Module, hidden_states, position_embeddings, identity, extra: dict) -> bool:
+    """Compare the keys the layer hands its cache under the identity and under a real, non-trivial rotation."""
+    probe = hidden_states[:1, :2].detach()
+    extra = per_token_slice(extra, hidden_states.shape[1], slice(0, 2), batch=slice(0, 1))
+    cos, sin = position_embeddings
+    turned = (cos[:1, -1:].expand(1, probe.shape[1], -1), sin[:1, -1:].expand(1, probe.shape[1], -1))
+    turned = turned if bool((turned[1] != 0).any()) else _some_rotation(turned)
+    keys = []
+    for embeddings in (
+        (identity[0][:1, :1].expand_as(turned[0]), identity[1][:1, :1].expand_as(turned[1])),
+        turned,
+    ):
+        recorder = DynamicCache()
+        with torch.no_grad():
+            type(module).forward(
+                module,
+                hidden_states=probe,
+                position_embeddings=embeddings,
+                attention_mask=None,
+                **{cache_argument(module): recorder},
+                **extra,
+            )
+        keys.append(recorder.layers[module.layer_idx].keys)
+    return not torch.equal(keys[0], keys[1])
 
 
 def per_token_slice(kwargs: dict, q_len: int, tokens: slice, batch: slice = slice(None)) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ from torch import nn
 
 LENGTH_DEPENDENT = ("dynamic", "longrope")
 LAYOUT_CHECK_POSITIONS = 16
+_BUILDING = threading.Lock()
 
 
 def _rope_types(rotary: nn.Module) -> list[str]:
@@ -40,9 +42,11 @@ class RopeTable:
         self.rotary, self.layer_type, self.dtype = rotary, layer_type, like.dtype
         device = like.device
         # Position 0 first: a dynamic rotary that saw a long input earlier resets to its original frequencies,
-        # so that the call at `length` sets those of `length` whatever ran before.
-        self._module(like, torch.zeros(1, 1, dtype=torch.long, device=device))
-        reference = self._module(like, torch.arange(length, device=device)[None])
+        # so that the call at `length` sets those of `length` whatever ran before. Under a lock: a dynamic
+        # rotary changes its frequencies in place, and other streams may be building their tables.
+        with _BUILDING:
+            self._module(like, torch.zeros(1, 1, dtype=torch.long, device=device))
+            reference = self._module(like, torch.arange(length, device=device)[None])
         prefix = f"{layer_type}_" if layer_type else ""
         inv_freq = getattr(rotary, f"{prefix}inv_freq", None)
         scaling = getattr(rotary, f"{prefix}attention_scaling", getattr(rotary, "attention_scaling", None))
@@ -91,6 +95,9 @@ class RopeTable:
             return cos, sin
         return cos / self.scaling, sin / self.scaling
 
+
+CosSin = tuple[torch.Tensor, torch.Tensor]
+"""RoPE's cos and sin, ``(B, n, rotary_dim)`` each."""
 
 RopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 """A family's ``apply_rotary_pos_emb(q, k, cos, sin)``."""

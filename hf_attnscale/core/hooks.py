@@ -1,0 +1,64 @@
+"""What one caller adds to the attention calls it makes, carried by the call and never stored on a module.
+
+A model object is shared: a server runs it from many threads, each stream with its own cache. So whatever one
+call needs beyond the patch (a `SinkCache`'s rotation of the queries, a diagnostics probe) travels with that
+call. Two carriers, read in this order by `scaled_attention`:
+
+1. the keyword argument ``hfa_hooks`` of the attention module's forward, which transformers passes down to the
+   attention function (a cache that runs the step itself passes it there);
+2. a context variable, set by `using_hooks` for a block of code: it is private to the thread (and to the
+   asyncio task), for callers that run the whole model (diagnostics), or for a module whose forward does not
+   pass its keyword arguments on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+HOOKS_KWARG = "hfa_hooks"
+"""Name of the keyword argument that carries `CallHooks` down to the attention function."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CallHooks:
+    """Per-call additions to a patched attention call; every field is optional.
+
+    Attributes:
+        query: maps the query ``(B, H, Tq, D)`` before the scale law (pos-shift rotates it into cache positions).
+        output: maps the attention output ``(B, Tq, H, Dv)`` (the DOUBLED streaming mode drops its padding).
+        probe: called with what the backend is about to compute (`hf_attnscale.diagnostics`).
+    """
+
+    query: Callable[[torch.Tensor], torch.Tensor] | None = None
+    output: Callable[[torch.Tensor], torch.Tensor] | None = None
+    probe: Callable[..., None] | None = None
+
+
+_AMBIENT: contextvars.ContextVar[CallHooks | None] = contextvars.ContextVar("hfa_hooks", default=None)
+
+
+def ambient_hooks() -> CallHooks | None:
+    """The hooks `using_hooks` set for this thread (or task), or None."""
+    return _AMBIENT.get()
+
+
+@contextlib.contextmanager
+def using_hooks(hooks: CallHooks) -> Iterator[CallHooks]:
+    """Apply ``hooks`` to the patched attention calls this thread makes inside the block."""
+    token = _AMBIENT.set(hooks)
+    try:
+        yield hooks
+    finally:
+        _AMBIENT.reset(token)
+
+
+def take_hooks(kwargs: dict[str, Any]) -> CallHooks | None:
+    """The hooks of this call: popped from the attention function's ``kwargs``, else the ambient ones."""
+    hooks = kwargs.pop(HOOKS_KWARG, None)
+    return hooks if hooks is not None else _AMBIENT.get()
