@@ -20,7 +20,7 @@ from hf_attnscale.evaluation.corpus import (
     tokenize_documents,
 )
 from hf_attnscale.evaluation.models import default_model_path, load_default_model
-from hf_attnscale.training.lm import windowed_perplexity as perplexity
+from hf_attnscale.evaluation.perplexity import windowed_perplexity as perplexity
 
 # Measured on the shipped checkpoint over the first 2048 tokens of two held-out modules present in
 # every supported Python version, in windows of BOS + 127 tokens (the positions it was trained on). File heads

@@ -7,8 +7,6 @@ from pathlib import Path
 
 from .corpus import BUILTIN_SPECS, Document, load_builtin
 
-DEFAULT_DATA = "builtin:stdlib-heldout"
-
 
 def load_documents(data: str, text_field: str = "text") -> list[Document]:
     """Documents from a built-in spec (``builtin:stdlib-heldout``), a ``.jsonl`` file or a text file.

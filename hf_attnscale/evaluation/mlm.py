@@ -8,7 +8,6 @@ longer windows give each masked token more context. The masked positions are dra
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,7 +16,8 @@ from torch import nn
 
 from hf_attnscale.validation import check_int
 
-from .report import SweepResult, SweepRow, versions
+from .report import SweepResult, SweepRow
+from .sweep import OnVariant, check_lengths, check_variants, choose_documents, run_variants, whole_windows
 from .variants import Variant
 
 
@@ -36,16 +36,12 @@ class MaskedLMResult:
         return math.exp(self.nll)
 
 
-def _check_documents(documents: Sequence[torch.Tensor], lengths: Sequence[int]) -> tuple[list[int], list]:
-    lengths = sorted({check_int("length", n, 2) for n in lengths})
-    longest = lengths[-1]
-    bad = [n for n in lengths if longest % n]
-    if bad:
-        raise ValueError(f"Every length must divide the longest ({longest}); {bad} do not.")
-    docs = [d[: d.numel() // longest * longest] for d in documents if d.numel() >= longest]
-    if not docs:
-        raise ValueError(f"No document has at least {longest} tokens (the longest length asked for).")
-    return lengths, docs
+def _windows(
+    documents: Sequence[torch.Tensor], lengths: Sequence[int]
+) -> tuple[list[int], list[torch.Tensor]]:
+    """The checked lengths, and the documents long enough cut to whole windows of the longest."""
+    lengths = check_lengths(lengths)
+    return lengths, whole_windows(documents, lengths[-1])
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -76,7 +72,7 @@ def masked_lm_accuracy(
     """
     if not 0 < fraction < 1:
         raise ValueError(f"fraction must be in (0, 1), got {fraction}.")
-    lengths, docs = _check_documents(documents, lengths)
+    lengths, docs = _windows(documents, lengths)
     generator = torch.Generator().manual_seed(seed)
     masks = [torch.rand(doc.shape, generator=generator) < fraction for doc in docs]
     results = []
@@ -113,7 +109,7 @@ def pseudo_perplexity(
     positions drawn from ``seed``; the positions are those of the longest windows, so every length scores
     the same tokens. Accuracy is reported for the same predictions.
     """
-    lengths, docs = _check_documents(documents, lengths)
+    lengths, docs = _windows(documents, lengths)
     longest = lengths[-1]
     count = check_int("positions_per_window", positions_per_window, 1)
     generator = torch.Generator().manual_seed(seed)
@@ -189,7 +185,7 @@ def mlm_sweep(
     max_documents: int | None = None,
     train_length: int | None = None,
     positions_per_window: int = 16,
-    on_variant=None,
+    on_variant: OnVariant | None = None,
 ) -> SweepResult:
     """For masked LMs what `hf_attnscale.sweep` is for causal ones: each variant's pseudo-perplexity and MLM
     accuracy at each length (see `masked_lm_accuracy` and `pseudo_perplexity`).
@@ -199,35 +195,29 @@ def mlm_sweep(
     streaming = [v.name for v in variants if v.streaming]
     if streaming:
         raise ValueError(f"Variants {streaming} stream through a SinkCache, which an encoder cannot use.")
-    lengths, _ = _check_documents(documents, lengths)
-    names = list(names) if names is not None else [f"doc{i}" for i in range(len(documents))]
-    chosen = [(n, d) for n, d in zip(names, documents) if d.numel() >= lengths[-1]]
-    if max_documents is not None:
-        chosen = chosen[: check_int("max_documents", max_documents, 1)]
+    lengths = check_lengths(lengths)
+    check_variants(variants)
+    chosen = choose_documents(documents, lengths[-1], names, max_documents)
     docs = [d for _, d in chosen]
-    rows, seconds = [], {}
-    for variant in variants:
-        start = time.perf_counter()
-        with variant.applied(model):
-            accuracy = masked_lm_accuracy(model, docs, lengths, mask_token_id)
-            pseudo = pseudo_perplexity(
-                model, docs, lengths, mask_token_id, positions_per_window=positions_per_window
-            )
-        seconds[variant.name] = time.perf_counter() - start
-        variant_rows = [
+
+    def score(variant: Variant) -> list[SweepRow]:
+        accuracy = masked_lm_accuracy(model, docs, lengths, mask_token_id)
+        pseudo = pseudo_perplexity(
+            model, docs, lengths, mask_token_id, positions_per_window=positions_per_window
+        )
+        return [
             SweepRow(variant.name, p.length, p.perplexity, p.nll, p.tokens, len(docs), accuracy=a.accuracy)
             for a, p in zip(accuracy, pseudo)
         ]
-        rows += variant_rows
-        if on_variant is not None:
-            on_variant(variant, variant_rows, seconds[variant.name])
-    return SweepResult(
-        rows=rows,
-        variants=list(variants),
+
+    return run_variants(
+        model,
+        variants,
+        score,
         lengths=lengths,
-        documents=[n for n, _ in chosen],
+        documents=chosen,
         train_length=train_length,
-        seconds=seconds,
-        info={"positions_per_window": positions_per_window, "versions": versions()},
+        info={"positions_per_window": positions_per_window},
         measure="pseudo-perplexity",
+        on_variant=on_variant,
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -187,3 +188,44 @@ def _recompute(model: nn.Module, ids: torch.Tensor, window: int, bar) -> torch.T
         )
         bar.update(last - first)
     return nll
+
+
+def segment_nll(
+    model: nn.Module,
+    ids: torch.Tensor,
+    bos_id: int | None = None,
+    *,
+    cache: SinkCache | None = None,
+    chunk_size: int = 512,
+) -> torch.Tensor:
+    """Per-token NLL of a segment ``ids`` read on its own, from scratch (held-out perplexity's unit).
+
+    With ``bos_id`` the segment is read behind a BOS token and every one of its tokens is predicted; without,
+    its first token has no context and only the others are. ``cache``: a fresh `SinkCache` to stream it.
+    """
+    if bos_id is not None:
+        ids = torch.cat([ids.new_tensor([bos_id]), ids])
+    return perplexity(model, ids, cache, chunk_size=chunk_size, progress=False).nll
+
+
+@torch.inference_mode()
+def windowed_perplexity(
+    model: nn.Module, token_docs: Sequence[torch.Tensor], window: int, bos_id: int | None = None
+) -> float:
+    """Token-weighted perplexity, each document scored alone in non-overlapping windows of ``window`` tokens.
+
+    Each window is a `segment_nll` segment: its first token has no context and is not scored, unless
+    ``bos_id`` is given: then every window after a document's first is read behind a BOS token (as the
+    model was trained; the first opens with the document's own), and all of its tokens are scored. A final
+    partial window is scored if it has at least two tokens.
+    """
+    nll_sum, count = 0.0, 0
+    for doc in token_docs:
+        for start in range(0, len(doc), window):
+            behind = bos_id if start > 0 else None
+            ids = doc[start : start + window]
+            if len(ids) + (behind is not None) >= 2:
+                nll = segment_nll(model, ids, behind, chunk_size=window + 1)
+                nll_sum += nll.double().sum().item()
+                count += nll.numel()
+    return math.exp(nll_sum / count)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import math
 import platform
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tokenizers
 import torch
 import transformers
 
@@ -58,34 +60,18 @@ class SweepResult:
                 return row.ppl
         raise KeyError(f"No row for variant {variant!r} at length {length}.")
 
-    def _length_label(self, length: int) -> str:
-        if self.train_length:
-            return f"{length} ({length / self.train_length:g}x)"
-        return str(length)
-
     @property
     def has_accuracy(self) -> bool:
-        return any(r.accuracy is not None for r in self.rows)
+        return has_accuracy(self.rows)
 
     def header(self) -> str:
-        """The Markdown table's header: one column per length (perplexity, then MLM accuracy), tokens/s."""
-        labels = [self._length_label(n) for n in self.lengths]
-        if self.has_accuracy:
-            labels = [f"PPPL {x}" for x in labels] + [f"acc {x}" for x in labels]
-        header = ["variant", *labels, "tok/s"]
-        return "\n".join(
-            ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
-        )
+        """The Markdown table's header (see `table_header`)."""
+        return table_header(self.lengths, self.train_length, self.has_accuracy)
 
     def row(self, variant: str) -> str:
-        """One variant's line of the Markdown table."""
+        """One variant's line of the Markdown table (see `table_row`)."""
         rows = {r.length: r for r in self.rows if r.variant == variant}
-        cells = [f"{rows[n].ppl:.2f}" for n in self.lengths]
-        if self.has_accuracy:
-            cells += [f"{100 * rows[n].accuracy:.2f}%" for n in self.lengths]
-        seconds = self.seconds.get(variant, 0.0)
-        tokens = sum(r.tokens for r in rows.values())
-        return "| " + " | ".join([variant, *cells, f"{tokens / seconds:,.0f}" if seconds > 0 else "-"]) + " |"
+        return table_row([rows[n] for n in self.lengths], self.seconds.get(variant, 0.0))
 
     def table(self) -> str:
         """A Markdown table: one row per variant, one column per length (and measure), then tokens/s."""
@@ -139,7 +125,7 @@ class SweepResult:
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_locator(FixedLocator(self.lengths))
         ax.xaxis.set_minor_locator(NullLocator())
-        ax.set_xticklabels([self._length_label(n).replace(" ", "\n") for n in self.lengths])
+        ax.set_xticklabels([length_label(n, self.train_length).replace(" ", "\n") for n in self.lengths])
         values = [r.ppl for r in self.rows if math.isfinite(r.ppl)]
         if values and max(values) / min(values) > 4:  # an exploding baseline would flatten the others
             ax.set_yscale("log")
@@ -167,9 +153,43 @@ class SweepResult:
         return path
 
 
+def has_accuracy(rows: Sequence[SweepRow]) -> bool:
+    """Whether the rows carry MLM accuracy (a masked LM's sweep)."""
+    return any(r.accuracy is not None for r in rows)
+
+
+def length_label(length: int, train_length: int | None = None) -> str:
+    """``"256 (2x)"`` for 256 tokens after a trained length of 128; ``"256"`` without one."""
+    return f"{length} ({length / train_length:g}x)" if train_length else str(length)
+
+
+def table_header(lengths: Sequence[int], train_length: int | None = None, accuracy: bool = False) -> str:
+    """The Markdown table's header: one column per length (perplexity, then MLM accuracy), then tokens/s."""
+    labels = [length_label(n, train_length) for n in lengths]
+    if accuracy:
+        labels = [f"PPPL {x}" for x in labels] + [f"acc {x}" for x in labels]
+    header = ["variant", *labels, "tok/s"]
+    return "\n".join(
+        ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+    )
+
+
+def table_row(rows: Sequence[SweepRow], seconds: float) -> str:
+    """One variant's line of the Markdown table, from its rows (one per length, in the header's order) and
+    the seconds it took."""
+    cells = [f"{r.ppl:.2f}" for r in rows]
+    if has_accuracy(rows):
+        cells += [f"{100 * r.accuracy:.2f}%" for r in rows]
+    tokens = sum(r.tokens for r in rows)
+    speed = f"{tokens / seconds:,.0f}" if seconds > 0 else "-"
+    return "| " + " | ".join([rows[0].variant, *cells, speed]) + " |"
+
+
 def versions() -> dict[str, str]:
+    """The versions of Python and of the libraries a result depends on, recorded with it."""
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
     }

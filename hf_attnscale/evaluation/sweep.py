@@ -19,6 +19,9 @@ What "perplexity at length L" means here, for every variant alike:
 So the scored tokens are the same at every length (up to the ``Lmax / L`` segment starts without BOS), and the curves
 differ only by how much context each token gets: within the trained length more context helps, past it a
 dense model meets positions it never saw, while a streaming cache bounds what a token sees.
+
+The frame of a length sweep (checking the lengths, choosing the documents, running and timing each variant)
+is shared with the encoders' `hf_attnscale.evaluation.mlm.mlm_sweep`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,9 +37,9 @@ from tqdm.auto import tqdm
 
 from hf_attnscale.streaming.cache import DEFAULT_SINK_TOKENS
 from hf_attnscale.streaming.pos_shift import check_streaming_model
-from hf_attnscale.validation import check_int
+from hf_attnscale.validation import as_int, check_int
 
-from .perplexity import perplexity
+from .perplexity import segment_nll
 from .report import SweepResult, SweepRow, versions
 from .variants import Variant
 
@@ -65,6 +69,10 @@ def demo_variants(
     ]
 
 
+OnVariant = Callable[[Variant, list[SweepRow], float], None]
+"""Called with each variant's rows and seconds as soon as it is done (for live output)."""
+
+
 def sweep(
     model: nn.Module,
     documents: Sequence[torch.Tensor],
@@ -77,7 +85,7 @@ def sweep(
     chunk_size: int = 512,
     bos_id: int | None = None,
     progress: bool | None = None,
-    on_variant: Callable[[Variant, list[SweepRow], float], None] | None = None,
+    on_variant: OnVariant | None = None,
 ) -> SweepResult:
     """Perplexity of each variant at each length over tokenized documents (definition: module docstring).
 
@@ -99,47 +107,22 @@ def sweep(
     Raises:
         ValueError: bad lengths or variants, or no document of at least ``max(lengths)`` tokens.
     """
-    lengths = _check_lengths(lengths)
-    longest = lengths[-1]
-    if not variants:
-        raise ValueError("Pass at least one variant.")
-    seen_names = [v.name for v in variants]
-    if len(set(seen_names)) != len(seen_names):
-        raise ValueError(f"Variant names must be unique, got {seen_names}.")
-    names = list(names) if names is not None else [f"doc{i}" for i in range(len(documents))]
-    if len(names) != len(documents):
-        raise ValueError(f"Got {len(names)} names for {len(documents)} documents.")
+    lengths = check_lengths(lengths)
+    check_variants(variants)
     if bos_id is not None:  # set each document's own BOS aside: every segment gets one
         documents = [d[1:] if d.numel() and int(d[0]) == bos_id else d for d in documents]
-    chosen = [(n, d[:longest]) for n, d in zip(names, documents) if d.numel() >= longest]
-    if not chosen:
-        most = max((d.numel() for d in documents), default=0)
-        raise ValueError(
-            f"No document has at least {longest} tokens (the longest length asked for); the longest of the "
-            f"{len(documents)} documents has {most}. Ask for lengths up to {most} tokens, or use longer data."
-        )
-    if max_documents is not None:
-        chosen = chosen[: check_int("max_documents", max_documents, 1)]
-    _check_variants(model, variants)
-
-    rows: list[SweepRow] = []
-    seconds: dict[str, float] = {}
-    for variant in variants:
-        start = time.perf_counter()
-        with variant.applied(model):
-            variant_rows = _score_variant(model, variant, chosen, lengths, chunk_size, bos_id, progress)
-        seconds[variant.name] = time.perf_counter() - start
-        rows += variant_rows
-        if on_variant is not None:
-            on_variant(variant, variant_rows, seconds[variant.name])
-    return SweepResult(
-        rows=rows,
-        variants=list(variants),
+    chosen = choose_documents(documents, lengths[-1], names, max_documents)
+    chosen = [(name, ids[: lengths[-1]]) for name, ids in chosen]
+    _check_model_runs(model, variants)
+    return run_variants(
+        model,
+        variants,
+        lambda variant: _score_variant(model, variant, chosen, lengths, chunk_size, bos_id, progress),
         lengths=lengths,
-        documents=[n for n, _ in chosen],
+        documents=chosen,
         train_length=train_length,
-        seconds=seconds,
-        info={"chunk_size": chunk_size, "bos_id": bos_id, "versions": versions()},
+        info={"chunk_size": chunk_size, "bos_id": bos_id},
+        on_variant=on_variant,
     )
 
 
@@ -155,11 +138,9 @@ def _score_variant(model, variant, chosen, lengths, chunk_size, bos_id, progress
         for _, ids in chosen:
             for length in lengths:
                 for segment in ids.view(-1, length):
-                    if bos_id is not None:
-                        segment = torch.cat([segment.new_tensor([bos_id]), segment])
-                    nll = perplexity(
-                        model, segment, cache=variant.new_cache(), chunk_size=chunk_size, progress=False
-                    ).nll
+                    nll = segment_nll(
+                        model, segment, bos_id, cache=variant.new_cache(), chunk_size=chunk_size
+                    )
                     nll_sum[length] += nll.double().sum().item()
                     counts[length] += nll.numel()
                     bar.update(nll.numel())
@@ -172,13 +153,16 @@ def _score_variant(model, variant, chosen, lengths, chunk_size, bos_id, progress
     ]
 
 
-def _check_lengths(lengths: Sequence[int]) -> list[int]:
+def check_lengths(lengths: Sequence[int]) -> list[int]:
+    """The evaluation lengths, sorted and without repeats; raises ValueError unless each is an int >= 2 that
+    divides the longest (so that every length scores the same tokens)."""
     if not lengths:
         raise ValueError("Pass at least one evaluation length.")
-    bad = [n for n in lengths if isinstance(n, bool) or not isinstance(n, int) or n < 2]
+    numbers = [as_int(n) for n in lengths]
+    bad = [n for n, number in zip(lengths, numbers) if number is None or number < 2]
     if bad:
         raise ValueError(f"Lengths must be ints >= 2 (tokens), got {bad}.")
-    lengths = sorted(set(lengths))
+    lengths = sorted(set(numbers))
     longest = lengths[-1]
     uneven = [n for n in lengths if longest % n]
     if uneven:
@@ -189,7 +173,85 @@ def _check_lengths(lengths: Sequence[int]) -> list[int]:
     return lengths
 
 
-def _check_variants(model: nn.Module, variants: Sequence[Variant]) -> None:
+def check_variants(variants: Sequence[Variant]) -> None:
+    """Raise ValueError unless there is at least one variant and their names are unique."""
+    if not variants:
+        raise ValueError("Pass at least one variant.")
+    names = [v.name for v in variants]
+    if len(set(names)) != len(names):
+        raise ValueError(f"Variant names must be unique, got {names}.")
+
+
+def choose_documents(
+    documents: Sequence[torch.Tensor],
+    longest: int,
+    names: Sequence[str] | None = None,
+    max_documents: int | None = None,
+) -> list[tuple[str, torch.Tensor]]:
+    """``(name, ids)`` of the documents of at least ``longest`` tokens, in order, at most ``max_documents``.
+
+    Names default to ``doc0, doc1, ...``. Raises ValueError when none is long enough.
+    """
+    names = list(names) if names is not None else [f"doc{i}" for i in range(len(documents))]
+    if len(names) != len(documents):
+        raise ValueError(f"Got {len(names)} names for {len(documents)} documents.")
+    chosen = [(n, d) for n, d in zip(names, documents) if d.numel() >= longest]
+    if not chosen:
+        most = max((d.numel() for d in documents), default=0)
+        raise ValueError(
+            f"No document has at least {longest} tokens (the longest length asked for); the longest of the "
+            f"{len(documents)} documents has {most}. Ask for lengths up to {most} tokens, or use longer data."
+        )
+    if max_documents is not None:
+        chosen = chosen[: check_int("max_documents", max_documents, 1)]
+    return chosen
+
+
+def whole_windows(documents: Sequence[torch.Tensor], length: int) -> list[torch.Tensor]:
+    """The documents of at least ``length`` tokens, each cut to a whole number of ``length``-token windows."""
+    return [d[: d.numel() // length * length] for _, d in choose_documents(documents, length)]
+
+
+def run_variants(
+    model: nn.Module,
+    variants: Sequence[Variant],
+    score: Callable[[Variant], list[SweepRow]],
+    *,
+    lengths: list[int],
+    documents: Sequence[tuple[str, torch.Tensor]],
+    train_length: int | None,
+    info: dict[str, Any],
+    measure: str = "perplexity",
+    on_variant: OnVariant | None = None,
+) -> SweepResult:
+    """Each variant applied to ``model`` in turn (restored after) and scored, timed: a `SweepResult`.
+
+    ``score`` gives a variant's rows, one per length; ``documents`` are the ``(name, ids)`` pairs it scores;
+    ``info`` (with the versions of the software) goes into the result's JSON.
+    """
+    rows: list[SweepRow] = []
+    seconds: dict[str, float] = {}
+    for variant in variants:
+        start = time.perf_counter()
+        with variant.applied(model):
+            variant_rows = score(variant)
+        seconds[variant.name] = time.perf_counter() - start
+        rows += variant_rows
+        if on_variant is not None:
+            on_variant(variant, variant_rows, seconds[variant.name])
+    return SweepResult(
+        rows=rows,
+        variants=list(variants),
+        lengths=lengths,
+        documents=[name for name, _ in documents],
+        train_length=train_length,
+        seconds=seconds,
+        info={**info, "versions": versions()},
+        measure=measure,
+    )
+
+
+def _check_model_runs(model: nn.Module, variants: Sequence[Variant]) -> None:
     """Raise before any work if the model cannot run one of the variants (it is restored either way)."""
     for variant in variants:
         try:
