@@ -11,7 +11,6 @@ lets an attention sink form on the first token; ``--zero-kv`` / ``--sink-logit``
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from collections.abc import Sequence
@@ -24,17 +23,17 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-import hf_attnscale as hfa
 from hf_attnscale.evaluation.corpus import Document, builtin_documents, tokenize_documents
+from hf_attnscale.evaluation.perplexity import windowed_perplexity
+from hf_attnscale.evaluation.sweep import whole_windows
 from hf_attnscale.training.loop import (
     TrainRun,
     WindowSampler,
     add_running_arguments,
-    make_optimizer,
-    run_info,
-    run_settings,
-    set_threads,
-    write_info,
+    add_training_arguments,
+    patch_for_training,
+    save_run,
+    start_session,
 )
 
 MODULE = "hf_attnscale.training.lm"
@@ -63,39 +62,8 @@ def train_tokenizer(documents: Sequence[Document], vocab_size: int) -> PreTraine
     )
 
 
-@torch.inference_mode()
-def windowed_perplexity(
-    model: torch.nn.Module, token_docs: Sequence[torch.Tensor], window: int, bos_id: int | None = None
-) -> float:
-    """Token-weighted perplexity, each document scored alone in non-overlapping windows of ``window`` tokens.
-
-    The first token of every window has no context and is not scored, unless ``bos_id`` is given: then every
-    window after a document's first is read behind a BOS token (as the model was trained), and all of its
-    tokens are scored. A final partial window is scored if it has at least two tokens.
-    """
-    device = next(model.parameters()).device
-    total_nll, total_tokens = 0.0, 0
-    for doc in token_docs:
-        for start in range(0, len(doc), window):
-            ids = doc[start : start + window]
-            scored = len(ids) - 1
-            if bos_id is not None and start > 0:
-                ids, scored = torch.cat([ids.new_tensor([bos_id]), ids]), len(ids)
-            if scored < 1:
-                continue
-            ids = ids.unsqueeze(0).to(device)
-            logits = model(input_ids=ids).logits[0, -scored - 1 : -1].float()
-            total_nll += F.cross_entropy(logits, ids[0, -scored:], reduction="sum").item()
-            total_tokens += scored
-    return math.exp(total_nll / total_tokens)
-
-
-def long_eval_docs(token_docs: Sequence[torch.Tensor], max_length: int) -> list[torch.Tensor]:
-    """Documents of at least ``max_length`` tokens, cut to a multiple of it (every length scores the same text)."""
-    return [doc[: len(doc) // max_length * max_length] for doc in token_docs if len(doc) >= max_length]
-
-
 def build_model(args: argparse.Namespace, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+    """The Llama the flags describe, freshly initialised (unpatched)."""
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=args.hidden,
@@ -110,23 +78,7 @@ def build_model(args: argparse.Namespace, tokenizer: PreTrainedTokenizerFast) ->
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    model = LlamaForCausalLM(config)
-    options = patch_options(args)
-    if options:
-        hfa.patch(model, **options)
-    return model
-
-
-def patch_options(args: argparse.Namespace) -> dict:
-    """The `hfa.patch` options the model trains under (empty: unpatched)."""
-    options: dict = {}
-    if args.scale != "none":
-        options.update(scale=args.scale, train_length=args.scale_length or args.context, clamp=args.clamp)
-    if args.zero_kv:
-        options["zero_kv"] = True
-    if args.sink_logit is not None:
-        options["sink_logit"] = args.sink_logit if args.sink_logit == "learnable" else float(args.sink_logit)
-    return options
+    return LlamaForCausalLM(config)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -138,23 +90,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vocab-size", type=int, default=4096, help="when training the tokenizer")
     parser.add_argument("--context", type=int, default=256, help="training context length in tokens")
     parser.add_argument("--bos", action="store_true", help="start every training window with the BOS token")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--intermediate", type=int, default=688)
     parser.add_argument("--rope-theta", type=float, default=10000.0)
-    parser.add_argument("--steps", type=int, default=640)
-    parser.add_argument("--batch-size", type=int, default=16, help="windows per optimizer step")
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--warmup", type=int, default=50, help="linear warmup steps")
-    parser.add_argument("--weight-decay", type=float, default=0.1)
-    parser.add_argument("--seed", type=int, default=0)
-    patch = parser.add_argument_group("train under an hf_attnscale patch")
-    patch.add_argument("--scale", default="none", choices=("none", "logn", "ssmax", "gradmax"))
-    patch.add_argument("--scale-length", type=int, help="L of the scale law (default: --context)")
-    patch.add_argument("--clamp", action=argparse.BooleanOptionalAction, default=None)
-    patch.add_argument("--zero-kv", action="store_true")
-    patch.add_argument("--sink-logit", help="a fixed sink logit, or 'learnable'")
+    add_training_arguments(
+        parser,
+        hidden=256,
+        layers=4,
+        heads=4,
+        intermediate=688,
+        steps=640,
+        batch_size=16,
+        lr=2e-3,
+        warmup=50,
+        weight_decay=0.1,
+    )
     run = add_running_arguments(
         parser,
         save_every=100,
@@ -168,8 +116,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    set_threads(args.threads)
-    torch.manual_seed(args.seed)
+    start_session(args)
     started = time.perf_counter()
 
     train_docs, heldout_docs = builtin_documents("train"), builtin_documents("heldout")
@@ -183,20 +130,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     tqdm.write(f"{len(train_docs)} train docs, {corpus_tokens} tokens")
 
     model = build_model(args, tokenizer)
-    n_params = sum(p.numel() for p in model.parameters())
-    tqdm.write(f"model: {n_params / 1e6:.2f}M parameters, patch: {hfa.get_config(model)}")
+    patch_for_training(model, args)
     # One extra token per window so that every one of the `context` positions gets a target.
     bos_id = tokenizer.bos_token_id if args.bos else None
     sampler = WindowSampler(train_tokens, args.context + 1, args.seed, bos_id=bos_id)
-    run = TrainRun(
-        out=args.out,
-        model=model,
-        optimizer=make_optimizer(model, args.lr, args.weight_decay),
-        steps=args.steps,
-        warmup=args.warmup,
-        settings=run_settings(args),
-        generators={"sampler": sampler.generator},
-    )
+    run = TrainRun.from_args(args, model, generators={"sampler": sampler.generator})
 
     def loss_fn() -> torch.Tensor:
         batch = sampler.sample(args.batch_size)
@@ -218,27 +156,21 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     heldout_ppl = windowed_perplexity(model, heldout_tokens, args.context, bos_id)
     tqdm.write(f"held-out perplexity at {args.context}: {heldout_ppl:.3f}")
-    long_docs = long_eval_docs(heldout_tokens, max(args.eval_lengths)) if args.eval_lengths else []
+    long_docs = whole_windows(heldout_tokens, max(args.eval_lengths)) if args.eval_lengths else []
     length_ppl = {str(n): windowed_perplexity(model, long_docs, n, bos_id) for n in args.eval_lengths}
     for length, ppl in length_ppl.items():
         tqdm.write(f"long held-out docs, window {length}: perplexity {ppl:.3f}")
 
-    model.save_pretrained(args.out)
-    tokenizer.save_pretrained(args.out)
-    write_info(
-        args.out,
-        {
-            **run_info(run, ["python", "-m", MODULE, *argv], args.batch_size * args.context),
-            "train_corpus_tokens": corpus_tokens,
-            f"heldout_ppl_{args.context}": heldout_ppl,
-            "heldout_documents": len(heldout_docs),
-            "long_heldout_ppl": length_ppl,
-            "long_heldout_documents": len(long_docs),
-            "long_heldout_tokens": sum(len(d) for d in long_docs),
-            "wall_seconds_this_session": time.perf_counter() - started,
-        },
-    )
-    tqdm.write(f"saved to {args.out}")
+    measured = {
+        "train_corpus_tokens": corpus_tokens,
+        f"heldout_ppl_{args.context}": heldout_ppl,
+        "heldout_documents": len(heldout_docs),
+        "long_heldout_ppl": length_ppl,
+        "long_heldout_documents": len(long_docs),
+        "long_heldout_tokens": sum(len(d) for d in long_docs),
+    }
+    command = ["python", "-m", MODULE, *argv]
+    save_run(run, tokenizer, command, args.batch_size * args.context, measured, started)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,11 @@
-"""What the causal-LM and MLM trainers share: window sampling, the optimizer, resumable checkpoints, the
-running flags and what a finished run records."""
+"""What the causal-LM and MLM trainers share: their common flags, window sampling, the optimizer, the patch
+the model trains under, resumable checkpoints and what a finished run saves and records."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
 import shlex
 import time
 from collections.abc import Callable, Sequence
@@ -14,14 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tokenizers
 import torch
-import transformers
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
+from hf_attnscale.core.patching import patch
 from hf_attnscale.core.state import get_config
+from hf_attnscale.evaluation.report import versions
+from hf_attnscale.patch_flags import add_patch_arguments, patch_options
 
 CHECKPOINT = "checkpoint.pt"
 SNAPSHOTS = "snapshots"
@@ -99,6 +99,22 @@ class TrainRun:
     session_steps: int = field(default=0, init=False)
     session_seconds: float = field(default=0.0, init=False)
     """Steps trained and seconds spent by the last `run` call (this process, not the whole run)."""
+
+    @classmethod
+    def from_args(
+        cls, args: argparse.Namespace, model: nn.Module, generators: dict[str, torch.Generator]
+    ) -> TrainRun:
+        """The run the trainer's flags describe: in ``--out``, with the flags of `add_training_arguments`, and
+        every flag but `RUNTIME_ONLY` as its settings."""
+        return cls(
+            out=args.out,
+            model=model,
+            optimizer=make_optimizer(model, args.lr, args.weight_decay),
+            steps=args.steps,
+            warmup=args.warmup,
+            settings=run_settings(args),
+            generators=generators,
+        )
 
     def __post_init__(self) -> None:
         self.schedule = get_cosine_schedule_with_warmup(self.optimizer, self.warmup, self.steps)
@@ -196,6 +212,41 @@ class TrainRun:
         return self.log[-1]["loss"] if self.log else None
 
 
+def add_training_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    hidden: int,
+    layers: int,
+    heads: int,
+    intermediate: int,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    warmup: int,
+    weight_decay: float,
+    exits: bool = True,
+) -> None:
+    """The flags that define the trained weights in both trainers, with each trainer's defaults: the model's
+    size, the optimization, the seed, and the patch the model trains under (``exits``: with its exit flags)."""
+    parser.add_argument("--hidden", type=int, default=hidden)
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--heads", type=int, default=heads)
+    parser.add_argument("--intermediate", type=int, default=intermediate)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--batch-size", type=int, default=batch_size, help="windows per optimizer step")
+    parser.add_argument("--lr", type=float, default=lr)
+    parser.add_argument("--warmup", type=int, default=warmup, help="linear warmup steps")
+    parser.add_argument("--weight-decay", type=float, default=weight_decay)
+    parser.add_argument("--seed", type=int, default=0)
+    add_patch_arguments(
+        parser,
+        "train under an hf_attnscale patch",
+        length_flag="--scale-length",
+        length_help="L of the scale law (default: --context)",
+        exits=exits,
+    )
+
+
 def add_running_arguments(
     parser: argparse.ArgumentParser, *, save_every: int, eval_lengths: Sequence[int], eval_help: str
 ) -> argparse._ArgumentGroup:
@@ -232,21 +283,40 @@ def run_info(run: TrainRun, command: Sequence[str], tokens_per_step: int) -> dic
     }
 
 
-def versions() -> dict[str, str]:
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "tokenizers": tokenizers.__version__,
-    }
-
-
-def write_info(out: Path, info: dict[str, Any]) -> None:
-    """``training_info.json``: the command, settings, measured numbers and versions of a finished run."""
-    (out / "training_info.json").write_text(json.dumps({**info, "versions": versions()}, indent=2) + "\n")
-
-
-def set_threads(threads: int) -> None:
+def start_session(args: argparse.Namespace) -> None:
+    """Apply ``--threads``, and seed torch's global generator (it draws the initial weights) with ``--seed``."""
     # The Rust tokenizers pool reads this when it first starts, which is after this line.
-    os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
-    torch.set_num_threads(threads)
+    os.environ.setdefault("RAYON_NUM_THREADS", str(args.threads))
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+
+
+def patch_for_training(model: nn.Module, args: argparse.Namespace) -> None:
+    """Patch ``model`` as the patch flags ask (L defaults to ``--context``), and report its size and patch."""
+    options = patch_options(args, default_length=args.context)
+    if options:
+        patch(model, **options)
+    parameters = sum(p.numel() for p in model.parameters())
+    tqdm.write(f"model: {parameters / 1e6:.2f}M parameters, patch: {get_config(model)}")
+
+
+def save_run(
+    run: TrainRun,
+    tokenizer: Any,
+    command: Sequence[str],
+    tokens_per_step: int,
+    measured: dict[str, Any],
+    started: float,
+) -> None:
+    """Save a finished run's model and tokenizer in its directory, and ``training_info.json``: `run_info`, the
+    trainer's ``measured`` numbers, the session's wall time since ``started`` and the versions."""
+    run.model.save_pretrained(run.out)
+    tokenizer.save_pretrained(run.out)
+    info = {
+        **run_info(run, command, tokens_per_step),
+        **measured,
+        "wall_seconds_this_session": time.perf_counter() - started,
+        "versions": versions(),
+    }
+    (run.out / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    tqdm.write(f"saved to {run.out}")

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, RoFormerConfig, RoFormerForMaskedLM
 
-import hf_attnscale as hfa
 from hf_attnscale.evaluation.corpus import builtin_documents, tokenize_documents
 from hf_attnscale.evaluation.mlm import masked_lm_accuracy
 from hf_attnscale.evaluation.models import default_model_path
@@ -29,11 +28,10 @@ from hf_attnscale.training.loop import (
     TrainRun,
     WindowSampler,
     add_running_arguments,
-    make_optimizer,
-    run_info,
-    run_settings,
-    set_threads,
-    write_info,
+    add_training_arguments,
+    patch_for_training,
+    save_run,
+    start_session,
 )
 
 MODULE = "hf_attnscale.training.mlm"
@@ -59,21 +57,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="run directory (checkpoint, model)")
     parser.add_argument("--tokenizer", type=Path, help="a tokenizer directory (default: the shipped model's)")
     parser.add_argument("--context", type=int, default=64, help="training window in tokens")
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--intermediate", type=int, default=512)
     parser.add_argument("--max-positions", type=int, default=1024, help="RoFormer's sinusoidal table size")
-    parser.add_argument("--steps", type=int, default=3000)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--warmup", type=int, default=100)
-    parser.add_argument("--weight-decay", type=float, default=0.01)
-    parser.add_argument("--seed", type=int, default=0)
-    patch = parser.add_argument_group("train under an hf_attnscale patch")
-    patch.add_argument("--scale", default="none", choices=("none", "logn", "ssmax", "gradmax"))
-    patch.add_argument("--scale-length", type=int, help="L of the scale law (default: --context)")
-    patch.add_argument("--clamp", action=argparse.BooleanOptionalAction, default=None)
+    add_training_arguments(
+        parser,
+        hidden=128,
+        layers=4,
+        heads=4,
+        intermediate=512,
+        steps=3000,
+        batch_size=32,
+        lr=1e-3,
+        warmup=100,
+        weight_decay=0.01,
+        exits=False,
+    )
     add_running_arguments(
         parser, save_every=200, eval_lengths=(64, 128, 256, 512, 1024), eval_help="MLM accuracy lengths"
     )
@@ -83,8 +80,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    set_threads(args.threads)
-    torch.manual_seed(args.seed)
+    start_session(args)
     started = time.perf_counter()
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or default_model_path(), local_files_only=True)
@@ -106,23 +102,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         pad_token_id=tokenizer.pad_token_id,
     )
     model = RoFormerForMaskedLM(config)
-    if args.scale != "none":
-        hfa.patch(model, scale=args.scale, train_length=args.scale_length or args.context, clamp=args.clamp)
-    n_params = sum(p.numel() for p in model.parameters())
-    tqdm.write(f"model: {n_params / 1e6:.2f}M parameters, patch: {hfa.get_config(model)}")
+    patch_for_training(model, args)
 
     sampler = WindowSampler(train_tokens, args.context, args.seed)
     masking = torch.Generator().manual_seed(args.seed + 1)
     special = torch.tensor(tokenizer.all_special_ids)
-    run = TrainRun(
-        out=args.out,
-        model=model,
-        optimizer=make_optimizer(model, args.lr, args.weight_decay),
-        steps=args.steps,
-        warmup=args.warmup,
-        settings=run_settings(args),
-        generators={"sampler": sampler.generator, "masking": masking},
-    )
+    run = TrainRun.from_args(args, model, generators={"sampler": sampler.generator, "masking": masking})
 
     def loss_fn() -> torch.Tensor:
         inputs, labels = mask_tokens(
@@ -140,18 +125,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     accuracy = masked_lm_accuracy(model, heldout_tokens, args.eval_lengths, tokenizer.mask_token_id)
     for result in accuracy:
         tqdm.write(f"MLM accuracy at {result.length}: {100 * result.accuracy:.2f}% ({result.tokens} tokens)")
-    model.save_pretrained(args.out)
-    tokenizer.save_pretrained(args.out)
-    write_info(
-        args.out,
-        {
-            **run_info(run, ["python", "-m", MODULE, *argv], args.batch_size * args.context),
-            "mlm_accuracy": {str(r.length): r.accuracy for r in accuracy},
-            "mlm_masked_tokens": {str(r.length): r.tokens for r in accuracy},
-            "wall_seconds_this_session": time.perf_counter() - started,
-        },
-    )
-    tqdm.write(f"saved to {args.out}")
+    measured = {
+        "mlm_accuracy": {str(r.length): r.accuracy for r in accuracy},
+        "mlm_masked_tokens": {str(r.length): r.tokens for r in accuracy},
+    }
+    command = ["python", "-m", MODULE, *argv]
+    save_run(run, tokenizer, command, args.batch_size * args.context, measured, started)
 
 
 if __name__ == "__main__":
