@@ -144,3 +144,18 @@ def test_demo_runs_the_shipped_model(tmp_path, capsys):
     assert len(at_1x) == 6 and max(at_1x) == pytest.approx(min(at_1x), rel=1e-5)
     assert 10 < at_1x[0] < 500  # a trained model, not a random one (which would be near the vocab size)
     assert "| window-only (129) |" in out and (tmp_path / "ppl_vs_length.png").exists()
+
+
+def test_diagnose_prints_its_table_and_writes_plots_and_json(model_dir, data_file, tmp_path, capsys):
+    out_dir = tmp_path / "diag"
+    code, out, err = run(
+        capsys,
+        *("diagnose", "--model", str(model_dir), "--data", str(data_file), "--length", "32"),
+        *("--documents", "2", "--zero-kv", "--device", "cpu", "--out", str(out_dir)),
+    )
+    assert code == 0, err
+    assert "| layer | entropy | entropy at n=L | ln L | sink mass | gradient | exit mass |" in out
+    assert "patch: " in out and "zero_kv=True" in out
+    saved = json.loads((out_dir / "diagnostics.json").read_text())
+    assert saved["patch"]["zero_kv"] is True and saved["length"] == 32 and saved["documents"] == 2
+    assert (out_dir / "attention.png").exists() and (out_dir / "outliers.png").exists()

@@ -9,7 +9,7 @@ import torch
 from conftest import VOCAB, tiny_model
 
 import hf_attnscale as hfa
-from hf_attnscale.diagnostics import activation_outliers, attention_statistics
+from hf_attnscale.diagnostics import activation_outliers, attention_statistics, layer_table
 from hf_attnscale.diagnostics.outliers import kurtosis
 from hf_attnscale.diagnostics.quantization import fake_quantized, quantize_symmetric
 
@@ -113,6 +113,18 @@ def test_plots_are_written(tmp_path):
     ids = torch.randint(3, VOCAB, (1, 32))
     assert attention_statistics(model, ids).plot(tmp_path / "a.png").stat().st_size > 10_000
     assert activation_outliers(model, ids).plot(tmp_path / "o.png").stat().st_size > 10_000
+
+
+def test_layer_table_has_a_row_per_layer():
+    model = _uniform()
+    ids = torch.randint(3, VOCAB, (1, 40))
+    table = layer_table(
+        attention_statistics(model, ids), activation_outliers(model, ids), skip=16
+    ).splitlines()
+    assert table[0].startswith("| layer | entropy | entropy at n=L | ln L | sink mass |")
+    assert len(table) == 2 + 2 and all(line.count("|") == 10 for line in table)
+    # Uniform attention: the last query's entropy is ln of the 40 keys it sees.
+    assert table[2].startswith("| 0 | ") and f"| {math.log(40):.3f} | {math.log(40):.3f} |" in table[2]
 
 
 def test_symmetric_int8_rounding_by_hand():

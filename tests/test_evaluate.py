@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import random_documents, tiny_model
 
 import hf_attnscale as hfa
-from hf_attnscale.cli import parse_lengths
+from hf_attnscale.cli.options import parse_lengths
 from hf_attnscale.evaluation.corpus import Document, builtin_documents
 from hf_attnscale.evaluation.documents import load_documents
 from hf_attnscale.evaluation.sweep import Variant, demo_variants, sweep

@@ -1,0 +1,175 @@
+"""``hf-attnscale eval``: one configuration of a model (plus, optionally, the unpatched baseline) at several
+lengths: perplexity for a causal LM, MLM accuracy and pseudo-perplexity for a masked LM."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import TYPE_CHECKING, Any
+
+from hf_attnscale.patch_flags import add_patch_arguments
+
+from .options import (
+    PATCH_TITLE,
+    CommandError,
+    add_data_arguments,
+    add_model_arguments,
+    add_output_arguments,
+    device,
+    documents,
+    given_patch,
+    lengths_type,
+    load_model,
+)
+from .sweep import row_printer, run_sweep, write_results
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from hf_attnscale.evaluation.corpus import Document
+    from hf_attnscale.evaluation.report import SweepResult
+    from hf_attnscale.evaluation.variants import Variant
+
+PATCH_OPTIONS = ("scale", "train_length", "clamp", "zero_kv", "sink_logit")
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """The ``eval`` subparser."""
+    parser = commands.add_parser(
+        "eval",
+        help="a model, patched or not, at several lengths (perplexity; MLM measures for encoders)",
+        description="Evaluate one configuration of a model at several lengths: perplexity for a causal LM; "
+        "MLM accuracy and pseudo-perplexity for a masked LM (an encoder). A model saved with a patch runs "
+        "with it; patch options given here replace it. --baseline adds the unpatched model.",
+    )
+    add_model_arguments(parser)
+    add_data_arguments(parser)
+    parser.add_argument(
+        "--lengths",
+        type=lengths_type,
+        required=True,
+        help="evaluation lengths in tokens, each dividing the longest, e.g. 1k,2k,4k,8k",
+    )
+    add_patch_arguments(parser, PATCH_TITLE)
+    stream_group = parser.add_argument_group("streaming (StreamingLLM SinkCache)")
+    stream_group.add_argument("--window", type=int, help="stream with a window of this many recent tokens")
+    stream_group.add_argument("--sink-tokens", type=int, help="sink tokens kept (default 4 with --window)")
+    parser.add_argument("--baseline", action="store_true", help="also evaluate the unpatched model")
+    parser.add_argument("--name", help="label of the configuration in the table and plot")
+    parser.add_argument("--max-documents", type=int, help="evaluate at most this many documents")
+    parser.add_argument(
+        "--measure",
+        choices=("auto", "perplexity", "mlm"),
+        default="auto",
+        help="perplexity (causal LMs) or mlm (masked LMs: accuracy and pseudo-perplexity); default: by model",
+    )
+    add_output_arguments(parser, "hf-attnscale-eval")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the evaluation; returns the exit status."""
+    from hf_attnscale.evaluation.variants import Variant
+
+    started = time.perf_counter()
+    options = given_patch(args)
+    settings = _stream_settings(args)
+    docs = documents(args.data, args.text_field)  # data errors are cheaper to find than a download
+    on = device(args)
+    model, tokenizer, kind = load_model(args, on)
+    measure = {"auto": "mlm" if kind == "masked" else "perplexity"}.get(args.measure, args.measure)
+    if measure == "perplexity" and kind == "masked":
+        raise CommandError(
+            f"{args.model} is a masked LM (an encoder): causal perplexity means nothing for it. Its measures "
+            "are MLM accuracy and pseudo-perplexity: pass --measure mlm (or leave --measure auto)."
+        )
+    if measure == "mlm" and kind == "causal":
+        raise CommandError(f"{args.model} is a causal LM; --measure mlm is for masked LMs (encoders).")
+    variant = _variant(args, model, options, settings)
+    variants = [Variant("unpatched"), variant] if args.baseline and variant.patch is not None else [variant]
+    train_length = args.scale_length or getattr(model.config, "max_position_embeddings", None)
+    if measure == "mlm":
+        result = _run_mlm_sweep(args, model, tokenizer, docs, variants, train_length)
+    else:
+        result = run_sweep(
+            args,
+            model,
+            tokenizer,
+            docs,
+            args.lengths,
+            variants,
+            train_length=train_length,
+            max_documents=args.max_documents,
+        )
+    return write_results(args, result, started, model=args.model, data=args.data, device=str(on))
+
+
+def describe(options: dict[str, Any], sink_tokens: int, window: int | None) -> str:
+    """A short label for a configuration, e.g. ``logn(L=4096) + sink+window (4+1020)``."""
+    parts = []
+    if options.get("scale") and options["scale"] != "none":
+        parts.append(f"{options['scale']}(L={options['train_length']})")
+    if options.get("zero_kv"):
+        parts.append("zero-kv")
+    if options.get("sink_logit") is not None:
+        parts.append(f"sink-logit={options['sink_logit']}")
+    if window is not None:
+        parts.append(f"sink+window ({sink_tokens}+{window})" if sink_tokens else f"window-only ({window})")
+    return " + ".join(parts) or "unpatched"
+
+
+def _stream_settings(args: argparse.Namespace) -> tuple[int, int] | None:
+    from hf_attnscale.streaming.cache import cache_settings
+
+    if args.sink_tokens is not None and args.window is None:
+        raise CommandError("--sink-tokens needs --window W (the streaming cache holds sink tokens + W).")
+    return cache_settings(args.sink_tokens, args.window)
+
+
+def _variant(
+    args: argparse.Namespace, model: nn.Module, options: dict[str, Any], settings: tuple[int, int] | None
+) -> Variant:
+    """The configuration to evaluate: the options given, else the patch the model was saved with."""
+    from hf_attnscale.core.state import get_config
+    from hf_attnscale.evaluation.variants import Variant
+
+    saved = get_config(model)
+    sink_tokens, window = settings if settings is not None else (0, None)
+    if options:
+        if saved is not None and not saved.is_identity:
+            print(
+                f"note: the patch options given replace the patch saved with the model ({saved}).", flush=True
+            )
+        name = args.name or describe(options, sink_tokens, window)
+        return Variant(name, patch=options, sink_tokens=sink_tokens, window=window)
+    if saved is not None and not saved.is_identity:
+        patch = {k: v for k, v in saved.to_dict().items() if k in PATCH_OPTIONS}
+        name = args.name or "saved: " + describe(patch, sink_tokens, window)
+        return Variant(name, patch=patch, sink_tokens=sink_tokens, window=window)
+    return Variant(args.name or describe({}, sink_tokens, window), sink_tokens=sink_tokens, window=window)
+
+
+def _run_mlm_sweep(
+    args: argparse.Namespace,
+    model: nn.Module,
+    tokenizer,
+    docs: list[Document],
+    variants: list[Variant],
+    train_length: int | None,
+) -> SweepResult:
+    from hf_attnscale.evaluation.corpus import tokenize_documents
+    from hf_attnscale.evaluation.mlm import mlm_sweep
+
+    if tokenizer.mask_token_id is None:
+        raise CommandError(f"The tokenizer of {args.model} has no mask token; MLM measures need one.")
+    return mlm_sweep(
+        model,
+        tokenize_documents(tokenizer, docs),
+        args.lengths,
+        variants,
+        tokenizer.mask_token_id,
+        names=[doc.name for doc in docs],
+        max_documents=args.max_documents,
+        train_length=train_length,
+        on_variant=row_printer(args.lengths, train_length, "pseudo-perplexity"),
+    )

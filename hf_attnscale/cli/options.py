@@ -1,0 +1,156 @@
+"""The flags the commands share (data, patch, runtime, lengths), and what they turn into.
+
+Only argparse and the patch's options are imported here; torch and the rest load when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hf_attnscale.patch_flags import patch_options
+
+if TYPE_CHECKING:
+    import torch
+
+    from hf_attnscale.evaluation.corpus import Document
+
+DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+DEFAULT_DATA = "builtin:stdlib-heldout"
+DEFAULT_MODEL = "builtin:tiny-llama-stdlib"
+PATCH_TITLE = "patch options (hf_attnscale.patch; they replace a saved patch)"
+
+
+class CommandError(Exception):
+    """A user error the CLI reports in one line, without a traceback."""
+
+
+def add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--data`` and ``--text-field``."""
+    parser.add_argument(
+        "--data",
+        default=DEFAULT_DATA,
+        help=f"a .jsonl file (one object per line), a text file (one document), or a built-in corpus "
+        f"(default {DEFAULT_DATA})",
+    )
+    parser.add_argument("--text-field", default="text", help="field holding the text in a .jsonl file")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--model`` and ``--attn-implementation``."""
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"local directory or Hugging Face Hub id (default: the shipped {DEFAULT_MODEL})",
+    )
+    parser.add_argument(
+        "--attn-implementation", default="sdpa", help="attention backend to load (default sdpa)"
+    )
+
+
+def add_output_arguments(parser: argparse.ArgumentParser, out: str) -> None:
+    """``--out`` (default ``out``), then ``--device``, ``--dtype``, ``--chunk-size``, ``--threads`` and
+    ``--progress``."""
+    parser.add_argument("--out", type=Path, default=Path(out), help="output directory")
+    parser.add_argument(
+        "--device", default="auto", help="cpu, cuda, cuda:1, mps... (default: cuda if available)"
+    )
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights dtype (default float32)")
+    parser.add_argument("--chunk-size", type=int, default=512, help="tokens per model call (memory only)")
+    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's, one per core)")
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bars (default: on a terminal)",
+    )
+
+
+def parse_lengths(text: str) -> list[int]:
+    """``"256,512,1k,2k"`` -> ``[256, 512, 1024, 2048]`` (``k`` is 1024)."""
+    lengths = []
+    for item in filter(None, (part.strip().lower() for part in text.split(","))):
+        match = re.fullmatch(r"(\d+)(k?)", item)
+        if match is None:
+            raise ValueError(f"Bad length {item!r} in {text!r}; write token counts such as 512,1k,2k,4k.")
+        lengths.append(int(match[1]) * (1024 if match[2] else 1))
+    if not lengths:
+        raise ValueError(f"No lengths in {text!r}; write token counts such as 512,1k,2k,4k.")
+    return lengths
+
+
+def lengths_type(text: str) -> list[int]:
+    """`parse_lengths` as an argparse ``type``."""
+    try:
+        return parse_lengths(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def length_type(text: str) -> int:
+    """One length (``512``, ``2k``) as an argparse ``type``."""
+    lengths = lengths_type(text)
+    if len(lengths) != 1:
+        raise argparse.ArgumentTypeError(f"expected one length, got {text!r}")
+    return lengths[0]
+
+
+def given_patch(args: argparse.Namespace) -> dict[str, Any]:
+    """The patch options given on the command line (validated), as `hfa.patch` keywords."""
+    if args.scale != "none" and args.scale_length is None:
+        raise CommandError(
+            f"--scale {args.scale} needs --train-length N, the context the model was trained at."
+        )
+    return patch_options(args)
+
+
+def device(args: argparse.Namespace) -> torch.device:
+    """The torch device named by ``--device``, with ``--threads`` applied."""
+    import torch
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise CommandError(f"--threads must be at least 1, got {args.threads}.")
+        torch.set_num_threads(args.threads)
+    name = args.device
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        named = torch.device(name)
+    except RuntimeError as err:
+        raise CommandError(f"Unknown device {name!r} ({err}); use cpu, cuda, cuda:N or mps.") from None
+    if named.type == "cuda" and not torch.cuda.is_available():
+        raise CommandError(f"--device {name}, but torch sees no CUDA GPU; use --device cpu.")
+    if named.type == "cuda" and (named.index or 0) >= torch.cuda.device_count():
+        raise CommandError(f"--device {name}, but torch sees only {torch.cuda.device_count()} CUDA GPU(s).")
+    if named.type == "mps" and not torch.backends.mps.is_available():
+        raise CommandError(f"--device {name}, but MPS is not available; use --device cpu.")
+    return named
+
+
+def dtype(name: str, default: str | None = None) -> Any:
+    """The torch dtype named by ``--dtype``; ``auto`` is ``default`` if given, else the checkpoint's own."""
+    import torch
+
+    if name == "auto":
+        return getattr(torch, default) if default is not None else "auto"
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(name) or getattr(
+        torch, name
+    )
+
+
+def load_model(args: argparse.Namespace, on: torch.device) -> tuple[Any, Any, str]:
+    """The model named by ``--model``, loaded on ``on`` with ``--dtype`` and ``--attn-implementation``:
+    ``(model, tokenizer, kind)`` (see `hf_attnscale.evaluation.models.load_model`)."""
+    from hf_attnscale.evaluation import models
+
+    return models.load_model(args.model, on, dtype(args.dtype), args.attn_implementation)
+
+
+def documents(data: str, text_field: str = "text") -> list[Document]:
+    """The documents named by ``--data`` (see `hf_attnscale.evaluation.documents.load_documents`)."""
+    from hf_attnscale.evaluation.documents import load_documents
+
+    return load_documents(data, text_field=text_field)
