@@ -51,12 +51,11 @@ class AttnScaleConfig:
                 f"Unknown scale {self.scale!r}; valid scales are {', '.join(map(repr, SCALES))}."
             )
         if self.scale == "none":
+            laws = " or ".join(f"scale={name!r}" for name in SCALES if name != "none")
             if self.train_length is not None:
-                raise ValueError(
-                    "train_length only applies with a scale; pass scale='logn', 'ssmax' or 'gradmax'."
-                )
+                raise ValueError(f"train_length only applies with a scale; pass {laws}.")
             if self.clamp is not None:
-                raise ValueError("clamp only applies with a scale; pass scale='logn', 'ssmax' or 'gradmax'.")
+                raise ValueError(f"clamp only applies with a scale; pass {laws}.")
         else:
             if self.train_length is None:
                 raise ValueError(

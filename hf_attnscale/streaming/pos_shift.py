@@ -3,7 +3,7 @@
 A patched RoPE attention module hands its step to the cache (`hf_attnscale.core.routing`). The step calls the
 module's own class forward with RoPE turned into the identity (cos = 1, sin = 0, in the real shapes, so partial
 rotary stays right): q and k come out un-rotated, the cache stores the keys and returns them rotated at the
-positions the call needs, and the query is rotated by the state's ``query_hook`` just before the attention
+positions the call needs, and the query is rotated by the call's query hook (`hf_attnscale.core.hooks`) just before the attention
 function. That function is the core wrapper, so log-n scaling (n counted from the cache's mask) and the exit
 compose without special cases.
 """
