@@ -21,17 +21,16 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import time
 
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator
 from peft import get_peft_model
 
 import hf_attnscale as hfa
 from hf_attnscale.evaluation.corpus import builtin_documents, long_documents
 from hf_attnscale.evaluation.models import load_default_model
+from hf_attnscale.evaluation.perplexity import windowed_perplexity
 
 MULTIPLES = (1, 2, 4, 8)
 
@@ -57,24 +56,10 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-@torch.no_grad()
-def perplexity(model, documents: list[torch.Tensor], length: int) -> float:
-    """Token-weighted perplexity over non-overlapping windows of ``length`` tokens of each document."""
-    model.eval()
-    nll, count = 0.0, 0
-    for ids in documents:
-        for start in range(0, ids.numel() - 1, length):
-            window = ids[start : start + length].unsqueeze(0)
-            if window.shape[1] < 2:
-                continue
-            logits = model(input_ids=window).logits[0, :-1].float()
-            nll += F.cross_entropy(logits, window[0, 1:], reduction="sum").item()
-            count += window.shape[1] - 1
-    return math.exp(nll / count)
-
-
 def perplexities(model, documents: list[torch.Tensor], trained_length: int) -> list[float]:
-    return [perplexity(model, documents, m * trained_length) for m in MULTIPLES]
+    """Held-out perplexity at each multiple of the trained length (`windowed_perplexity`)."""
+    model.eval()
+    return [windowed_perplexity(model, documents, m * trained_length) for m in MULTIPLES]
 
 
 def training_windows(tokenizer, length: int, seed: int) -> tuple[list[torch.Tensor], torch.Generator]:

@@ -57,7 +57,7 @@ def reads_behind_bos(tokenizer) -> bool:
 def row_printer(lengths: Sequence[int], train_length: int | None, measure: str) -> OnVariant:
     """An ``on_variant`` callback that prints the table's header, then each variant's row as soon as it is
     done (flushed, so that it shows when piped too)."""
-    from hf_attnscale.evaluation.report import has_accuracy, table_header, table_row
+    from hf_attnscale.evaluation.report import DEFINITIONS, has_accuracy, table_header, table_row
 
     lengths = sorted(set(lengths))
     printed_header = False
@@ -68,8 +68,8 @@ def row_printer(lengths: Sequence[int], train_length: int | None, measure: str) 
             what = "Perplexity" if measure == "perplexity" else "Pseudo-perplexity and MLM accuracy"
             header = table_header(lengths, train_length, has_accuracy(rows))
             print(
-                f"\n{what} by evaluation length ({rows[0].documents} documents of >= {lengths[-1]} tokens, "
-                f"each cut into non-overlapping L-token segments read from scratch):\n\n{header}",
+                f"\n{what} by evaluation length, {rows[0].documents} documents ({DEFINITIONS[measure]}):"
+                f"\n\n{header}",
                 flush=True,
             )
             printed_header = True
