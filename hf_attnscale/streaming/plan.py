@@ -276,23 +276,18 @@ def _decode_plan(
     visible = key_index >= 0
     keep = _kept(key_index, real_tokens, sinks, window)
     is_sink = token < sinks
-    return StepPlan(
+    return _decoding_step(
         before=before,
         after=SlotRecord(key_index.masked_fill(~keep, -1), real_tokens, base, before.seen + 1),
         new_valid=new_valid,
         dtype=dtype,
-        in_place=True,
-        mode=AttentionMode.SINGLE,
-        write=WriteMode.IN_PLACE,
         sinks=sinks,
         new_positions=(token - base)[:, None],
         sink_positions=torch.arange(sinks, device=token.device)[None]
         + (_sink_shift(token, capacity) - base)[:, None],
-        mid_positions=None,
         rebase=rebase,
         new_sink_index=token.masked_fill(~is_sink, -1)[:, None] if bool(is_sink.any()) else None,
         write_slot=write_slot,
-        keep_index=None,
         mask=_additive(visible[:, None], dtype, decoding=True),
     )
 
@@ -326,25 +321,32 @@ def _decode_plan_one_row(
     if evicted is not None:
         index[0, evicted] = -1
     offset = _sink_shift(token, capacity) - new_base
-    return StepPlan(
+    return _decoding_step(
         before=before,
         after=SlotRecord(
             index, _long(token + 1, 1), before.base if rebase is None else _long(new_base, 1), before.seen + 1
         ),
         new_valid=new_valid,
         dtype=dtype,
-        in_place=True,
-        mode=AttentionMode.SINGLE,
-        write=WriteMode.IN_PLACE,
         sinks=sinks,
         new_positions=_long(token - new_base, 1, 1),
         sink_positions=torch.arange(offset, offset + sinks)[None],
-        mid_positions=None,
         rebase=rebase,
         new_sink_index=_long(token, 1, 1) if token < sinks else None,
         write_slot=_long(slot, 1),
-        keep_index=None,
         mask=None if visible is None else _additive(visible[:, None], dtype, decoding=True),
+    )
+
+
+def _decoding_step(**fields) -> StepPlan:
+    """The plan of a decoding step: one query per row, SINGLE, its token written in place."""
+    return StepPlan(
+        in_place=True,
+        mode=AttentionMode.SINGLE,
+        write=WriteMode.IN_PLACE,
+        mid_positions=None,
+        keep_index=None,
+        **fields,
     )
 
 
