@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from torch import nn
+from transformers.utils import quantization_config as hf_quantization
 
 from .checkpoint import safetensors_files
 from .config import read_saved_config
@@ -40,9 +41,18 @@ def from_pretrained(
     unpatched is returned unpatched. transformers would list the patch's weights as UNEXPECTED keys; here they
     are expected, so its load report is shown only when it says something else.
 
+    With ``gguf_file=`` (a GGUF file in that folder or Hub repo; needs the ``gguf`` package) the weights are
+    de-quantised, and the model is returned as the plain float model it then is: it can be patched, fine-tuned
+    with PEFT and saved with ``save_pretrained`` (transformers alone would keep it marked as GGUF-quantised, and
+    refuse to save it). A ``quantization_config`` passed explicitly is left to transformers.
+
     Example:
         >>> model = hfa.from_pretrained(AutoModelForCausalLM, "path/to/saved", dtype=torch.bfloat16)
+        >>> model = hfa.from_pretrained(AutoModelForCausalLM, "folder", gguf_file="model.Q4_K_M.gguf")
     """
+    gguf = bool(kwargs.get("gguf_file"))
+    if gguf and kwargs.get("quantization_config") is None:
+        kwargs["quantization_config"] = _dequantized_gguf_config()
     logger = logging.getLogger("transformers.modeling_utils")
     hold = _HoldLoadReport()
     logger.addFilter(hold)
@@ -64,8 +74,42 @@ def from_pretrained(
     if not (saved is not None and only_patch_keys):
         for record in hold.held:
             logger.handle(record)
+    if gguf:
+        drop_gguf_marker(model)
     if saved is None:
         return model
     hub = {k: kwargs[k] for k in HUB_OPTIONS if k in kwargs}
     apply(model, None, checkpoint=safetensors_files(pretrained_model_name_or_path, **hub))
     return model
+
+
+def _dequantized_gguf_config() -> Any:
+    """transformers' GGUF config asking for de-quantised weights, or None where this version has no such option."""
+    config_class = getattr(hf_quantization, "GgufConfig", None)
+    try:
+        return None if config_class is None else config_class(dequantize=True)
+    except TypeError:  # a GgufConfig without ``dequantize``: its weights are de-quantised anyway
+        return None
+
+
+def drop_gguf_marker(model: nn.Module) -> bool:
+    """Unmark a model loaded from GGUF whose weights are all de-quantised, so that it saves and trains as any model.
+
+    transformers keeps a GGUF quantizer on such a model (and ``quantization_config`` in its config), and so
+    refuses ``save_pretrained`` even once every weight is a plain float tensor. Returns whether the mark was
+    dropped: a model whose weights are still packed in GGUF blocks (transformers' optional GGUF kernels) keeps
+    it, as does any other quantization.
+    """
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None:
+        return False
+    method = getattr(quantizer.quantization_config, "quant_method", None)
+    if getattr(method, "value", method) != "gguf":
+        return False
+    packed = getattr(quantizer, "packed_modules", None) or any(
+        not p.is_floating_point() for p in model.parameters()
+    )
+    if packed:
+        return False
+    quantizer.remove_quantization_config(model)
+    return True
