@@ -8,7 +8,8 @@ The package in layers, each importing only the ones below it in this list:
 * `hf_attnscale.cli`, `hf_attnscale.training`: the command line, and the trainers of the shipped models;
 * `hf_attnscale.integrations`: PEFT fine-tuning and the lm-eval harness;
 * `hf_attnscale.diagnostics`: attention entropy, sink mass, softmax gradients, activation outliers;
-* `hf_attnscale.evaluation`: perplexity, the length sweep, encoders' MLM measures, corpus and models;
+* `hf_attnscale.evaluation`: perplexity, the length sweep, encoders' MLM measures, corpus and models (and
+  `fetch`, the real checkpoints from the package registry);
 * `hf_attnscale.streaming`: StreamingLLM's `SinkCache` and its pos-shift step;
 * `hf_attnscale.core`: the patch itself (options, laws, the attention function, discovery, patching).
 
@@ -36,6 +37,7 @@ _EXPORTS = {
     "SweepResult": "evaluation.report",
     "sweep": "evaluation.sweep",
     "Variant": "evaluation.variants",
+    "fetch": "evaluation.real_checkpoints",
     "adapter_patch_config": "integrations.peft_adapters",
     "load_adapter": "integrations.peft_adapters",
     "lora_config": "integrations.peft_adapters",
@@ -51,6 +53,7 @@ __all__ = [  # the names of _EXPORTS, spelt out for tools that read __all__
     "SweepResult",
     "Variant",
     "adapter_patch_config",
+    "fetch",
     "from_pretrained",
     "get_config",
     "load_adapter",
@@ -71,6 +74,7 @@ if TYPE_CHECKING:
     from .core.patching import patch, patched, unpatch
     from .core.state import get_config
     from .evaluation.perplexity import PerplexityResult, perplexity
+    from .evaluation.real_checkpoints import fetch
     from .evaluation.report import SweepResult
     from .evaluation.sweep import sweep
     from .evaluation.variants import Variant

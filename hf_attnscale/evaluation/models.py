@@ -1,7 +1,9 @@
-"""Models to evaluate: the shipped checkpoint, and a user's model by path or Hub id, with its saved patch.
+"""Models to evaluate: the shipped checkpoint, the real checkpoints, and a user's model (a folder, a Hub id or a
+GGUF file), with its saved patch.
 
 The shipped checkpoint is trained by this repo (`hf_attnscale.training.lm`; see ``benchmarks/PRETRAIN.md``)
-and ships inside the package, so demos and tests run offline.
+and ships inside the package, so demos and tests run offline. The real checkpoints (``smollm2-135m``,
+``gemma3-270m``, ``minilm-l6``) come from the package registry (`hf_attnscale.evaluation.real_checkpoints`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, 
 from transformers.utils import cached_file
 
 from hf_attnscale.core.loading import from_pretrained
+from hf_attnscale.evaluation.real_checkpoints import REAL_CHECKPOINTS, fetch
 
 DEFAULT_MODEL_NAME = "tiny-llama-stdlib"
 DEFAULT_MODEL = f"builtin:{DEFAULT_MODEL_NAME}"
@@ -38,8 +41,21 @@ def default_model_path() -> Path:
     return Path(__file__).resolve().parents[1] / "assets" / DEFAULT_MODEL_NAME
 
 
-def resolve_model_path(name: str) -> str:
-    """``builtin:tiny-llama-stdlib`` -> the shipped checkpoint's directory; anything else unchanged."""
+def resolve_model_path(name: str, *, progress: bool = True) -> str:
+    """A model name as the commands take it -> what ``from_pretrained`` takes.
+
+    ``builtin:tiny-llama-stdlib`` -> the shipped checkpoint's directory; the name of a real checkpoint
+    (``smollm2-135m``, ``gemma3-270m``, ``minilm-l6``) -> its folder in the cache, fetched first if it is not
+    there yet (`hf_attnscale.evaluation.real_checkpoints.fetch`, with progress bars unless ``progress`` is
+    False); anything else (a path, a Hub id) unchanged. A local folder that has one of those names is named
+    ``./smollm2-135m``.
+
+    Raises:
+        ValueError: an unknown ``builtin:`` name.
+        FetchError: a real checkpoint could not be fetched (the registry unreachable, a corrupt download).
+    """
+    if name in REAL_CHECKPOINTS:
+        return str(fetch(name, progress=progress))
     if not name.startswith("builtin:"):
         return name
     if name != DEFAULT_MODEL:
@@ -88,51 +104,87 @@ def model_kind(config: Any) -> str:
     )
 
 
+def split_gguf(name: str, gguf_file: str | None = None) -> tuple[str, str | None]:
+    """(folder or Hub id, GGUF file name or None) of a model named with or without a GGUF file.
+
+    A path to a ``.gguf`` file, as ``name`` (with no ``gguf_file``) or as ``gguf_file``, is split into its
+    folder and file name; a bare ``gguf_file`` name is a file inside ``name`` (a folder or a Hub repo).
+    """
+    if gguf_file is None:
+        path = Path(name).expanduser()
+        if name.endswith(".gguf") and path.is_file():
+            return str(path.parent), path.name
+        return name, None
+    path = Path(gguf_file).expanduser()
+    if path.name != gguf_file and path.is_file():
+        return str(path.parent), path.name
+    return name, gguf_file
+
+
 def load_model(
-    name: str, device: torch.device, dtype: Any, attn_implementation: str = "sdpa"
+    name: str,
+    device: torch.device,
+    dtype: Any,
+    attn_implementation: str = "sdpa",
+    gguf_file: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
     """A language model (in eval mode, on ``device``, with the patch saved with it), its tokenizer and kind.
 
-    The kind is "causal" or "masked" (`model_kind`). Fails fast, saying why, when the model is neither a local
-    directory nor in the Hugging Face cache and the Hub cannot be reached.
+    ``name`` is anything `resolve_model_path` takes (a folder, a Hub id, the shipped model, a real checkpoint's
+    name), or a path to a ``.gguf`` file. ``gguf_file`` names a GGUF file in that folder or Hub repo (or is a
+    path to one); its weights are de-quantised (`hf_attnscale.from_pretrained`). The kind is "causal" or
+    "masked" (`model_kind`). Fails fast, saying why, when the model is neither a local directory nor in the
+    Hugging Face cache and the Hub cannot be reached.
 
     Raises:
-        FileNotFoundError: no such local directory, or the Hub cannot provide it (offline, unknown id).
-        ValueError: not a language model, or an attention backend that cannot run here.
+        FileNotFoundError: no such local directory or GGUF file, or the Hub cannot provide it (offline,
+            unknown id).
+        ValueError: not a language model, an attention backend that cannot run here, or a GGUF file without
+            the ``gguf`` package.
+        FetchError: a real checkpoint could not be fetched.
     """
+    name, gguf_file = split_gguf(name, gguf_file)
     resolved = resolve_model_path(name)
     path = Path(resolved).expanduser()
     # Anything that cannot be a Hub id ("org/name") is a local path; never send it to the Hub.
     looks_local = path.exists() or resolved.startswith((".", "/", "~")) or resolved.count("/") > 1
-    if looks_local and not (path / "config.json").is_file():
-        what = "does not exist" if not path.exists() else "has no config.json"
+    needed = gguf_file or "config.json"
+    if looks_local and not (path / needed).is_file():
+        what = "does not exist" if not path.exists() else f"has no {needed}"
         raise FileNotFoundError(
-            f"Model directory {resolved!r} {what}; pass a saved model directory or a Hub id."
+            f"Model directory {resolved!r} {what}; pass a saved model directory, a Hub id or a GGUF file."
         )
     source = str(path) if looks_local else resolved
     if not looks_local:
-        _check_hub_reachable(source)
+        _check_hub_reachable(source, needed)
+    gguf = {"gguf_file": gguf_file} if gguf_file else {}
     try:
-        config = AutoConfig.from_pretrained(source)
+        config = AutoConfig.from_pretrained(source, **gguf)
         kind = model_kind(config)
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(source, **gguf)
         model_class = AutoModelForCausalLM if kind == "causal" else AutoModelForMaskedLM
-        model = from_pretrained(model_class, source, dtype=dtype, attn_implementation=attn_implementation)
+        model = from_pretrained(
+            model_class, source, dtype=dtype, attn_implementation=attn_implementation, **gguf
+        )
     except OSError as err:
         raise FileNotFoundError(
             f"Cannot load model {name!r}: it is not a local directory, and the Hugging Face Hub could not "
             f"provide it (offline, private, or no such id). {err}"
         ) from err
     except ImportError as err:
+        if gguf_file and "gguf" in str(err).lower():
+            raise ValueError(
+                f"Loading {gguf_file} needs the gguf package (pip install gguf): {err}"
+            ) from None
         raise ValueError(
             f"attn_implementation={attn_implementation!r} cannot run here: {err} Use sdpa (or eager) instead."
         ) from None
     return model.to(device).eval(), tokenizer, kind
 
 
-def _check_hub_reachable(repo: str) -> None:
+def _check_hub_reachable(repo: str, filename: str = "config.json") -> None:
     """Fail fast for a Hub id that is not cached when the Hub is off (instead of retrying for a minute)."""
-    if cached_file(repo, "config.json", local_files_only=True, _raise_exceptions_for_missing_entries=False):
+    if cached_file(repo, filename, local_files_only=True, _raise_exceptions_for_missing_entries=False):
         return
     reason = None
     if huggingface_hub.constants.HF_HUB_OFFLINE:

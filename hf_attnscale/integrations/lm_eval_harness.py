@@ -7,6 +7,7 @@ found without a path::
     hf-attnscale lm-eval --model hf-attnscale \\
         --model_args pretrained=PATH,scale=logn,train_length=4096,window=1020,sink_tokens=4 \\
         --tasks hfa_stdlib_heldout --device cuda
+    # PATH: a folder, a Hub id, smollm2-135m / gemma3-270m (fetched on first use), or add gguf_file=NAME
     python -m hf_attnscale.integrations.lm_eval_harness ...   # the same
 
 From Python, pass ``TaskManager(include_path=TASKS_DIR)`` to lm-eval's ``simple_evaluate``.
@@ -35,7 +36,7 @@ from hf_attnscale.core.patching import patch
 from hf_attnscale.core.state import get_config
 from hf_attnscale.evaluation.corpus import builtin_documents
 from hf_attnscale.evaluation.mlm import pseudo_log_likelihood
-from hf_attnscale.evaluation.models import default_model_path, model_kind, resolve_model_path
+from hf_attnscale.evaluation.models import default_model_path, model_kind, resolve_model_path, split_gguf
 from hf_attnscale.evaluation.perplexity import perplexity
 from hf_attnscale.streaming.cache import SinkCache, cache_settings
 from hf_attnscale.streaming.pos_shift import check_streaming_model
@@ -71,14 +72,17 @@ class HFAttnScaleLM(HFLM):
     is a pseudo-perplexity; its other request types are refused.
 
     Args:
-        pretrained: a model path, Hub id, ``builtin:tiny-llama-stdlib`` (the shipped model), or a model object
-            (then also pass ``tokenizer``).
+        pretrained: a model path, Hub id, ``builtin:tiny-llama-stdlib`` (the shipped model), the name of a real
+            checkpoint (``smollm2-135m``, ``gemma3-270m``: fetched on first use), a path to a ``.gguf`` file, or
+            a model object (then also pass ``tokenizer``).
         scale, train_length, clamp, zero_kv, sink_logit: `hf_attnscale.patch` options. With none of them, a
-            checkpoint saved from a patched model (``attn_scale`` in its config) is patched as saved, and any
+            checkpoint saved from a patched model (``hf_attnscale`` in its config) is patched as saved, and any
             other model runs as loaded.
         sink_tokens: sink tokens of the streaming cache (default 4 when ``window`` is given; 0: window-only).
         window: recent tokens each query sees while streaming; None (default) keeps lm-eval's windows.
         chunk_size: tokens per model call while streaming (memory only; results do not depend on it).
+        gguf_file: a GGUF file in the ``pretrained`` folder or Hub repo (or a path to one), loaded de-quantised
+            to a plain model (`hf_attnscale.from_pretrained`).
         **kwargs: everything ``HFLM`` takes (``max_length``, ``dtype``, ``device``, ``batch_size``...).
     """
 
@@ -93,6 +97,7 @@ class HFAttnScaleLM(HFLM):
         sink_tokens: int | None = None,
         window: int | None = None,
         chunk_size: int = 512,
+        gguf_file: str | None = None,
         **kwargs: Any,
     ) -> None:
         # Validate everything before the model loads, which can take minutes.
@@ -103,8 +108,10 @@ class HFAttnScaleLM(HFLM):
         self.sink_tokens, self.window = settings if settings is not None else (None, None)
         self.chunk_size = check_int("chunk_size", chunk_size, 1)
         if isinstance(pretrained, str):
+            pretrained, gguf_file = split_gguf(pretrained, gguf_file)
             pretrained = resolve_model_path(pretrained)
-            self.masked = model_kind(AutoConfig.from_pretrained(pretrained)) == "masked"
+            gguf = {"gguf_file": gguf_file} if gguf_file else {}
+            self.masked = model_kind(AutoConfig.from_pretrained(pretrained, **gguf)) == "masked"
         else:
             self.masked = type(pretrained).__name__.endswith("ForMaskedLM")
         if self.masked and window is not None:
@@ -113,7 +120,7 @@ class HFAttnScaleLM(HFLM):
             AutoModelForMaskedLM if self.masked else AutoModelForCausalLM
         )
 
-        super().__init__(pretrained=pretrained, **kwargs)
+        super().__init__(pretrained=pretrained, gguf_file=gguf_file, **kwargs)
 
         model = self.model
         if config is not None:
