@@ -34,3 +34,13 @@ def unwrap(model: Any) -> nn.Module:
             + "."
         )
     return seen
+
+
+def backbone(model: nn.Module) -> nn.Module:
+    """``model`` without its task head: its ``base_model`` (``LlamaModel`` in ``LlamaForCausalLM``), or itself.
+
+    What reads attention and hidden states runs this, so that a long input does not pay for the head's
+    ``(batch, length, vocabulary)`` logits: 17 GB for 4 x 4,096 tokens of Gemma-3's 262k-token vocabulary.
+    """
+    base = getattr(model, "base_model", None)
+    return base if isinstance(base, nn.Module) else model

@@ -25,7 +25,7 @@ from torch import nn
 from hf_attnscale.core.attention import visible_keys
 from hf_attnscale.core.config import AttnScaleConfig
 from hf_attnscale.core.hooks import CallHooks, using_hooks
-from hf_attnscale.core.models import unwrap
+from hf_attnscale.core.models import backbone, unwrap
 from hf_attnscale.core.patching import patched
 from hf_attnscale.core.state import get_config, patched_modules
 from hf_attnscale.validation import check_int
@@ -152,7 +152,8 @@ def attention_statistics(
     Args:
         model: any supported model, patched or not (an unpatched one is patched with the identity for the call
             and restored after).
-        input_ids: ``(B, T)`` token ids (one forward pass; memory O(T x chunk) per head, not O(T^2)).
+        input_ids: ``(B, T)`` token ids (one forward pass of the model without its head; memory O(T x chunk)
+            per head, not O(T^2)).
         attention_mask: padding mask, as the model takes it.
         sink_tokens: how many first keys count as the sink.
 
@@ -166,7 +167,8 @@ def attention_statistics(
         input_ids = input_ids[None]
     root = unwrap(model)
     with _probed(root, sink_tokens) as collector:
-        root(input_ids=input_ids.to(next(root.parameters()).device), attention_mask=attention_mask)
+        # The attention runs in the backbone: the head's logits would only cost memory (GBs on long inputs).
+        backbone(root)(input_ids=input_ids.to(next(root.parameters()).device), attention_mask=attention_mask)
     if not collector.sums:
         raise ValueError("No attention call was probed: the model ran none of its patched attention modules.")
     batch = input_ids.shape[0]

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from hf_attnscale.core.families import attention_modules
-from hf_attnscale.core.models import unwrap
+from hf_attnscale.core.models import backbone, unwrap
 
 
 @dataclass(frozen=True)
@@ -46,21 +46,24 @@ def activation_outliers(
 ) -> OutlierStatistics:
     """Kurtosis and max |x| of every attention block's output and every layer's hidden state.
 
-    Padding positions (``attention_mask == 0``) are left out. Works on any supported model, patched or not.
+    Padding positions (``attention_mask == 0``) are left out. Works on any supported model, patched or not. The
+    model runs without its head (no logits), and each attention output is measured as it is made rather than
+    kept, so long inputs cost little more than the hidden states themselves.
     """
     root = unwrap(model)
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     keep = None if attention_mask is None else attention_mask.bool()
-    outputs: list[torch.Tensor] = []
+    attention: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def record(module, args, output) -> None:
         out = output[0] if isinstance(output, tuple) else output
-        outputs.append(out if keep is None else out[keep.to(out.device)])
+        out = out if keep is None else out[keep.to(out.device)]
+        attention.append((kurtosis(out), out.abs().max().float().cpu()))
 
     hooks = [m.register_forward_hook(record) for m in attention_modules(root)]
     try:
-        result = root(
+        result = backbone(root)(
             input_ids=input_ids.to(next(root.parameters()).device),
             attention_mask=attention_mask,
             output_hidden_states=True,
@@ -70,8 +73,8 @@ def activation_outliers(
             hook.remove()
     hidden = [h if keep is None else h[keep.to(h.device)] for h in result.hidden_states[1:]]
     return OutlierStatistics(
-        attention_kurtosis=torch.stack([kurtosis(x) for x in outputs]),
-        attention_max_abs=torch.stack([x.abs().max().float().cpu() for x in outputs]),
+        attention_kurtosis=torch.stack([k for k, _ in attention]),
+        attention_max_abs=torch.stack([m for _, m in attention]),
         hidden_kurtosis=torch.stack([kurtosis(x) for x in hidden]),
         hidden_max_abs=torch.stack([x.abs().max().float().cpu() for x in hidden]),
     )
