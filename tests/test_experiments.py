@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import math
 from pathlib import Path
@@ -18,11 +18,11 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--hidden", "32", "--layers", "2", "--heads", "2", "--intermediate", "64", "--batch-size", "2"]
 
 
-def _evidence():
-    spec = importlib.util.spec_from_file_location("evidence", ROOT / "experiments" / "evidence.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture
+def evidence(monkeypatch):
+    """``experiments/evidence.py`` imported as its command runs it: with ``experiments/`` first on the path."""
+    monkeypatch.syspath_prepend(str(ROOT / "experiments"))
+    return importlib.import_module("evidence")
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +57,10 @@ def runs(tmp_path_factory) -> Path:
     return runs
 
 
-def test_every_section_writes_its_table_data_and_figure(runs, tmp_path, capsys):
-    evidence = _evidence()
+def test_every_section_writes_its_table_data_and_figure(evidence, runs, tmp_path, capsys):
+    from sections.heldout import STREAM_LENGTH
+    from sections.streaming import STREAM_METHODS
+
     evidence.main(["--runs", str(runs), "--out", str(tmp_path), "--threads", "1"])
     printed = capsys.readouterr().out
     for section in evidence.SECTIONS:
@@ -72,7 +74,7 @@ def test_every_section_writes_its_table_data_and_figure(runs, tmp_path, capsys):
     streaming = json.loads((tmp_path / "streaming.json").read_text())
     # While the smallest cache (32) still holds the whole stream, every method predicts alike.
     curves = list(streaming["vanilla"].values())
-    assert len(curves) == len(evidence.STREAM_METHODS) and len(curves[0]) == evidence.STREAM_LENGTH - 1
+    assert len(curves) == len(STREAM_METHODS) and len(curves[0]) == STREAM_LENGTH - 1
     assert all(c[:31] == pytest.approx(curves[0][:31], abs=1e-4) for c in curves)
     decoder = json.loads((tmp_path / "decoder.json").read_text())
     assert decoder["seeds"] == [0, 1] and "(seed 2: needs finished runs at" in printed
@@ -97,8 +99,8 @@ def test_every_section_writes_its_table_data_and_figure(runs, tmp_path, capsys):
     assert mlm_table.count("\n| O |") + mlm_table.count("\n| E |") == 2
 
 
-def test_a_missing_run_skips_its_section_and_says_which(tmp_path, capsys):
-    _evidence().main(["--runs", str(tmp_path / "none"), "--out", str(tmp_path), "--only", "decoder", "mlm"])
+def test_a_missing_run_skips_its_section_and_says_which(evidence, tmp_path, capsys):
+    evidence.main(["--runs", str(tmp_path / "none"), "--out", str(tmp_path), "--only", "decoder", "mlm"])
     printed = capsys.readouterr().out
     assert "## decoder: skipped (no seed of (0, 1, 2) has both" in printed and "## mlm: skipped" in printed
     assert not (tmp_path / "decoder.md").exists()
