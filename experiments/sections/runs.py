@@ -40,8 +40,9 @@ def finished(runs: Path, names: dict[str, str]) -> dict[str, Path]:
     found = {label: runs / name for label, name in names.items() if is_finished(runs / name)}
     if not found:
         raise MissingRuns(f"none of {list(names.values())} under {runs}")
-    for label in names.keys() - found.keys():
-        print(f"({label}: no finished run at {runs / names[label]}; left out)")
+    for label, name in names.items():
+        if label not in found:
+            print(f"({label}: no finished run at {runs / name}; left out)")
     return found
 
 
