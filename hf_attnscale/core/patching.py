@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +39,7 @@ from .families import (
     takes_position_embeddings,
 )
 from .models import unwrap
+from .offload import forward_slot, parameter_device, restore_forward, run_device, set_forward
 from .routing import ROTARY_ATTR, cache_routed_forward
 from .state import STATE_NAME, AttnScaleState, get_config, patched_modules, state_of
 
@@ -136,18 +136,20 @@ def _installation(root: nn.Module, config: AttnScaleConfig) -> _Installation:
         raise ValueError(f"zero_kv / sink_logit: {rule.no_exit}. Use the scale options alone.")
     backend = check_backend(root.config._attn_implementation)
     if config.has_exit:
-        check_exit_backend(backend, next(root.parameters()).device)
+        check_exit_backend(backend, run_device(root))
     states = [_new_state(config, query_heads(m, root.config), m) for m in modules]
     rotary = [rotary_for(root, m) if takes_position_embeddings(m) else None for m in modules]
     return _Installation(config, rule, modules, states, rotary)
 
 
 def _new_state(config: AttnScaleConfig, num_heads: int, module: nn.Module) -> AttnScaleState:
-    """A state whose parameters live on the module's device and dtype (float32 for half-precision models)."""
+    """A state whose parameters live where the module runs (`parameter_device`: its accelerate execution
+    device, else its weights' device), in the module's dtype (float32 for half-precision models)."""
     state = AttnScaleState(config, num_heads)
     ref = next(module.parameters(), None)
-    if ref is not None:
-        state.to(device=ref.device, dtype=ref.dtype if ref.dtype == torch.float64 else torch.float32)
+    if ref is not None and any(True for _ in state.parameters()):
+        dtype = ref.dtype if ref.dtype == torch.float64 else torch.float32
+        state.to(device=parameter_device(module), dtype=dtype)
     return state
 
 
@@ -195,11 +197,11 @@ def _install(root: nn.Module, installation: _Installation) -> None:
         for module, state, rotary in zip(installation.modules, installation.states, installation.rotary):
             module._modules[STATE_NAME] = state
             if installation.rule.forward is not None:
-                module.forward = types.MethodType(installation.rule.forward, module)
+                set_forward(module, installation.rule.forward)
                 continue
             module.config = routed_config(module.config)
             if takes_position_embeddings(module):
-                module.forward = types.MethodType(cache_routed_forward, module)
+                set_forward(module, cache_routed_forward)
                 module.__dict__[ROTARY_ATTR] = rotary
     except BaseException:
         _restore(root, snapshot)
@@ -237,7 +239,13 @@ def _snapshot(root: nn.Module, modules: list[nn.Module]) -> dict[str, Any]:
         "record": (root.config, copy.deepcopy(getattr(root.config, CONFIG_KEY, None))),
         "configs": configs,
         "modules": [
-            (m, m._modules.get(STATE_NAME), m.__dict__.get("forward"), m.__dict__.get(ROTARY_ATTR))
+            (
+                m,
+                m._modules.get(STATE_NAME),
+                forward_slot(m),
+                m.__dict__.get(forward_slot(m)),
+                m.__dict__.get(ROTARY_ATTR),
+            )
             for m in modules
         ],
     }
@@ -252,9 +260,9 @@ def _restore(root: nn.Module, snapshot: dict[str, Any]) -> None:
         config.__dict__.pop(CONFIG_KEY, None)
     else:
         setattr(config, CONFIG_KEY, record)
-    for module, state, forward, rotary in snapshot["modules"]:
+    for module, state, slot, forward, rotary in snapshot["modules"]:
         _put(module._modules, STATE_NAME, state)
-        _put(module.__dict__, "forward", forward)
+        _put(module.__dict__, slot, forward)
         _put(module.__dict__, ROTARY_ATTR, rotary)
 
 
@@ -298,12 +306,9 @@ def unpatch(model: M) -> M:
     for module in modules:
         if isinstance(module.__dict__.get("config"), PatchedConfigView):
             module.config = module.config.model_config
-        for mapping, key in (
-            (module._modules, STATE_NAME),
-            (module.__dict__, "forward"),
-            (module.__dict__, ROTARY_ATTR),
-        ):
-            mapping.pop(key, None)
+        restore_forward(module)
+        module._modules.pop(STATE_NAME, None)
+        module.__dict__.pop(ROTARY_ATTR, None)
     if modules:
         root.config.__dict__.pop(CONFIG_KEY, None)
     return model

@@ -15,6 +15,7 @@ from torch import nn
 from .config import AttnScaleConfig
 from .laws import ssmax_init
 from .models import unwrap
+from .offload import is_offloaded, keep_resident
 
 STATE_NAME = "hfa"
 """Name of the child module that holds a patched attention module's state (and learnable parameters)."""
@@ -54,8 +55,16 @@ def active_state(child: nn.Module | None) -> AttnScaleState | None:
     """The `AttnScaleState` the attention function reads through a module's ``hfa`` child.
 
     That is the child itself, or, when PEFT trains it (``modules_to_save=["hfa"]``), the copy of the active
-    adapter (the original when adapters are disabled).
+    adapter (the original when adapters are disabled). Patch parameters that accelerate offloaded (a model
+    dispatched after it was patched) are first taken back onto their execution device (`keep_resident`).
     """
+    state = _selected_state(child)
+    if state is not None and is_offloaded(state):
+        keep_resident(child)
+    return state
+
+
+def _selected_state(child: nn.Module | None) -> AttnScaleState | None:
     if child is None or isinstance(child, AttnScaleState):
         return child
     copies = getattr(child, "modules_to_save", None)
