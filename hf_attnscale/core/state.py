@@ -55,16 +55,8 @@ def active_state(child: nn.Module | None) -> AttnScaleState | None:
     """The `AttnScaleState` the attention function reads through a module's ``hfa`` child.
 
     That is the child itself, or, when PEFT trains it (``modules_to_save=["hfa"]``), the copy of the active
-    adapter (the original when adapters are disabled). Patch parameters that accelerate offloaded (a model
-    dispatched after it was patched) are first taken back onto their execution device (`keep_resident`).
+    adapter (the original when adapters are disabled).
     """
-    state = _selected_state(child)
-    if state is not None and is_offloaded(state):
-        keep_resident(child)
-    return state
-
-
-def _selected_state(child: nn.Module | None) -> AttnScaleState | None:
     if child is None or isinstance(child, AttnScaleState):
         return child
     copies = getattr(child, "modules_to_save", None)
@@ -84,8 +76,16 @@ def patched_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 
 def state_of(module: nn.Module) -> AttnScaleState | None:
-    """The state in force on one attention module, or None."""
-    return active_state(module._modules.get(STATE_NAME))
+    """The state in force on one attention module, ready to run, or None.
+
+    Its parameters are on the module's execution device: those accelerate offloaded (a model dispatched after
+    it was patched) are first taken back (`keep_resident`).
+    """
+    child = module._modules.get(STATE_NAME)
+    state = active_state(child)
+    if state is not None and is_offloaded(state):
+        keep_resident(child)
+    return state
 
 
 def get_config(model: nn.Module) -> AttnScaleConfig | None:
@@ -95,7 +95,7 @@ def get_config(model: nn.Module) -> AttnScaleConfig | None:
     without `hfa.patch`, reports None even though its config records a patch.
     """
     for _, module in patched_modules(model):
-        state = state_of(module)
+        state = active_state(module._modules[STATE_NAME])
         if state is not None:
             return state.config
     return None
