@@ -193,9 +193,10 @@ def test_learnable_parameters_train_with_peft_as_on_the_whole_model(checkpoint, 
     for model in (whole, dispatched):
         hfa.patch(model, **LEARNABLE)
     perturb_like([whole, dispatched])
+    with pytest.raises(ValueError, match=r"offloads 2 attention layers.*layers_to_transform"):
+        hfa.lora_config(dispatched, r=4)  # PEFT would put their LoRA weights on meta, where they cannot train
     for model in (whole, dispatched):
-        # PEFT puts the LoRA weights of an offloaded layer on meta (they cannot train): LoRA goes on the layers
-        # kept on a device, the patch's parameters train on every layer.
+        # LoRA on the layers kept on a device; the patch's parameters train on every layer.
         config = hfa.lora_config(model, r=4, layers_to_transform=RESIDENT_LAYERS)
         torch.manual_seed(5)
         peft_models.append(peft.get_peft_model(model, config))

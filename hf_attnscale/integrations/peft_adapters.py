@@ -43,6 +43,7 @@ from torch import nn
 from hf_attnscale.core.config import AttnScaleConfig
 from hf_attnscale.core.families import attention_modules
 from hf_attnscale.core.models import unwrap
+from hf_attnscale.core.offload import is_offloaded
 from hf_attnscale.core.patching import patch
 from hf_attnscale.core.state import STATE_NAME, active_state, get_config
 
@@ -122,6 +123,8 @@ def lora_config(model: nn.Module, *, train_patch: bool = True, **lora_kwargs: An
     base = unwrap(model)
     patch_config = get_config(base)
     kwargs = dict(lora_kwargs)
+    if "target_modules" not in kwargs and "layers_to_transform" not in kwargs:
+        _check_not_offloaded(base)
     kwargs.setdefault("target_modules", attention_projections(base))
     task_type = _task_type(base)
     if task_type is not None:
@@ -133,6 +136,21 @@ def lora_config(model: nn.Module, *, train_patch: bool = True, **lora_kwargs: An
     config = _lora_config_class()(**kwargs)
     config.attn_scale = None if patch_config is None else patch_config.to_dict()
     return config
+
+
+def _check_not_offloaded(model: nn.Module) -> None:
+    """Refuse LoRA on attention layers that accelerate offloads: PEFT would create their weights on meta."""
+    names = {id(m): n for n, m in model.named_modules()}
+    offloaded = [
+        names[id(m)] for m in attention_modules(model) if any(is_offloaded(sub) for sub in m.modules())
+    ]
+    if offloaded:
+        raise ValueError(
+            f"accelerate offloads {len(offloaded)} attention layers of this model to CPU or disk (e.g. "
+            f"{offloaded[0]}); PEFT would create their LoRA weights on the meta device, where they cannot train. "
+            "Pass layers_to_transform=[...] naming the layers kept on a device (the patch's parameters still "
+            "train on every layer), or load the model without offloading."
+        )
 
 
 def _task_type(model: nn.Module) -> str | None:
