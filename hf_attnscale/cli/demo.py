@@ -14,7 +14,7 @@ from .options import (
     dtype,
     lengths_type,
 )
-from .sweep import reads_behind_bos, run_sweep, write_results
+from .sweep import run_sweep, tokenized, write_results
 
 MULTIPLES = (1, 2, 4, 8, 16)
 DOCUMENTS = 4
@@ -30,7 +30,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "logn, window-only and sink+window streaming with a cache of the trained length, and sink+window "
         "and streaming+logn with twice that. The model's heads lean on BOS (attention sinks), so the "
         "window-only cache falls behind sink+window. Needs no arguments and no network; under a minute on "
-        "two idle CPU cores.",
+        "two idle CPU cores. The same comparison on another model: hf-attnscale compare --model NAME.",
     )
     parser.add_argument(
         "--documents",
@@ -52,13 +52,13 @@ def run(args: argparse.Namespace) -> int:
     on = device(args)
     model, tokenizer = load_default_model(device=on, dtype=dtype(args.dtype, default="float32"))
     train_length = model.config.max_position_embeddings
+    texts = tokenized(tokenizer, documents(DEFAULT_DATA))
     result = run_sweep(
         args,
         model,
-        tokenizer,
-        documents(DEFAULT_DATA),
+        texts,
         args.lengths or [train_length * m for m in MULTIPLES],
-        demo_variants(train_length, bos=reads_behind_bos(tokenizer)),
+        demo_variants(train_length, bos=texts.bos_id is not None),
         train_length=train_length,
         max_documents=args.documents,
     )

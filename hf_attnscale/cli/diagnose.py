@@ -20,6 +20,7 @@ from .options import (
     given_patch,
     length_type,
     load_model,
+    model_name,
 )
 
 SKIPPED_QUERIES = 16
@@ -73,17 +74,18 @@ def run(args: argparse.Namespace) -> int:
         attention = attention_statistics(model, batch, sink_tokens=args.sink_tokens)
         outliers = activation_outliers(model, batch)
     skip = min(SKIPPED_QUERIES, args.length - 1)
+    label = model_name(args)
     print(
-        f"\n{args.model} ({'patch: ' + str(config) if config else 'unpatched'}), {batch.shape[0]} documents "
+        f"\n{label} ({'patch: ' + str(config) if config else 'unpatched'}), {batch.shape[0]} documents "
         f"of {args.length} tokens; per layer, mean over heads and over queries past the {SKIPPED_QUERIES}th:\n"
     )
     print(layer_table(attention, outliers, skip))
     args.out.mkdir(parents=True, exist_ok=True)
-    attention.plot(args.out / "attention.png", title=f"{args.model}: attention by layer")
-    outliers.plot(args.out / "outliers.png", title=f"{args.model}: activation outliers")
+    attention.plot(args.out / "attention.png", title=f"{label}: attention by layer")
+    outliers.plot(args.out / "outliers.png", title=f"{label}: activation outliers")
     record = {
         "command": shlex.join(["hf-attnscale", *args.argv]),
-        "model": args.model,
+        "model": label,
         "patch": None if config is None else config.to_dict(),
         "length": args.length,
         "documents": batch.shape[0],

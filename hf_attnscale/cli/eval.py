@@ -20,8 +20,9 @@ from .options import (
     given_patch,
     lengths_type,
     load_model,
+    model_name,
 )
-from .sweep import row_printer, run_sweep, write_results
+from .sweep import row_printer, run_sweep, tokenized, write_results
 
 if TYPE_CHECKING:
     from torch import nn
@@ -94,14 +95,13 @@ def run(args: argparse.Namespace) -> int:
         result = run_sweep(
             args,
             model,
-            tokenizer,
-            docs,
+            tokenized(tokenizer, docs),
             args.lengths,
             variants,
             train_length=train_length,
             max_documents=args.max_documents,
         )
-    return write_results(args, result, started, model=args.model, data=args.data, device=str(on))
+    return write_results(args, result, started, model=model_name(args), data=args.data, device=str(on))
 
 
 def describe(options: dict[str, Any], sink_tokens: int, window: int | None) -> str:

@@ -39,11 +39,19 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--model`` and ``--attn-implementation``."""
+    """``--model``, ``--gguf-file`` and ``--attn-implementation``."""
     parser.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help=f"local directory or Hugging Face Hub id (default: the shipped {DEFAULT_MODEL})",
+        help=f"local directory, Hugging Face Hub id, .gguf file, or a real checkpoint's name (smollm2-135m, "
+        f"gemma3-270m, minilm-l6: fetched on first use; see hf-attnscale fetch) (default: the shipped "
+        f"{DEFAULT_MODEL})",
+    )
+    parser.add_argument(
+        "--gguf-file",
+        metavar="FILE",
+        help="a GGUF file: a path, or a file name in --model's folder or Hub repo (de-quantised to float32; "
+        "needs the gguf package)",
     )
     parser.add_argument(
         "--attn-implementation", default="sdpa", help="attention backend to load (default sdpa)"
@@ -60,11 +68,17 @@ def add_output_arguments(parser: argparse.ArgumentParser, out: str) -> None:
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights dtype (default float32)")
     parser.add_argument("--chunk-size", type=int, default=512, help="tokens per model call (memory only)")
     parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's, one per core)")
+    add_progress_argument(parser)
+
+
+def add_progress_argument(parser: argparse.ArgumentParser, default: bool | None = None) -> None:
+    """``--progress`` / ``--no-progress``: progress bars on stderr, by default on a terminal only (None)."""
+    when = "on a terminal" if default is None else "on" if default else "off"
     parser.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
-        default=None,
-        help="progress bars (default: on a terminal)",
+        default=default,
+        help=f"progress bars on stderr (default: {when})",
     )
 
 
@@ -142,11 +156,22 @@ def dtype(name: str, default: str | None = None) -> Any:
 
 
 def load_model(args: argparse.Namespace, on: torch.device) -> tuple[Any, Any, str]:
-    """The model named by ``--model``, loaded on ``on`` with ``--dtype`` and ``--attn-implementation``:
-    ``(model, tokenizer, kind)`` (see `hf_attnscale.evaluation.models.load_model`)."""
+    """The model named by ``--model`` (and ``--gguf-file``), loaded on ``on`` with ``--dtype`` and
+    ``--attn-implementation``: ``(model, tokenizer, kind)`` (see `hf_attnscale.evaluation.models.load_model`)."""
     from hf_attnscale.evaluation import models
 
-    return models.load_model(args.model, on, dtype(args.dtype), args.attn_implementation)
+    return models.load_model(
+        args.model, on, dtype(args.dtype), args.attn_implementation, gguf_file=args.gguf_file
+    )
+
+
+def model_name(args: argparse.Namespace) -> str:
+    """The model as given, for titles and records: ``--model``, with ``--gguf-file`` if one is given."""
+    if args.gguf_file is None:
+        return args.model
+    from hf_attnscale.evaluation.models import split_gguf
+
+    return "/".join(split_gguf(args.model, args.gguf_file))
 
 
 def documents(data: str, text_field: str = "text") -> list[Document]:

@@ -7,51 +7,68 @@ import argparse
 import shlex
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
+    import torch
+
     from hf_attnscale.evaluation.corpus import Document
     from hf_attnscale.evaluation.report import SweepResult, SweepRow
     from hf_attnscale.evaluation.sweep import OnVariant
     from hf_attnscale.evaluation.variants import Variant
 
 
+class Tokenized(NamedTuple):
+    """Documents as a sweep reads them: their token ids and names, and the BOS id its segments are read behind
+    (None: read as they are)."""
+
+    ids: list[torch.Tensor]
+    names: list[str]
+    bos_id: int | None
+
+
+def tokenized(tokenizer, documents: Sequence[Document]) -> Tokenized:
+    """The documents' token ids, names and BOS id (the tokenizer's, if it opens every text with it: the model saw
+    BOS first, so each segment is read behind it)."""
+    from hf_attnscale.evaluation.corpus import tokenize_documents
+
+    ids = tokenizer("a")["input_ids"]
+    opens_with_bos = tokenizer.bos_token_id is not None and bool(ids) and ids[0] == tokenizer.bos_token_id
+    return Tokenized(
+        tokenize_documents(tokenizer, documents),
+        [doc.name for doc in documents],
+        tokenizer.bos_token_id if opens_with_bos else None,
+    )
+
+
 def run_sweep(
     args: argparse.Namespace,
     model,
-    tokenizer,
-    documents: Sequence[Document],
+    documents: Tokenized,
     lengths: list[int],
     variants: list[Variant],
     *,
     train_length: int | None,
     max_documents: int | None,
+    on_variant: OnVariant | None = None,
 ) -> SweepResult:
-    """`hf_attnscale.evaluation.sweep.sweep` on the documents, its rows printed as they come."""
-    from hf_attnscale.evaluation.corpus import tokenize_documents
+    """`hf_attnscale.evaluation.sweep.sweep` on the documents, its rows printed as they come (by `row_printer`
+    unless ``on_variant`` is given)."""
     from hf_attnscale.evaluation.sweep import sweep
 
-    # A tokenizer that opens every text with BOS: the model saw BOS first, so each segment is read behind it.
-    bos_id = tokenizer.bos_token_id if reads_behind_bos(tokenizer) else None
     return sweep(
         model,
-        tokenize_documents(tokenizer, documents),
+        documents.ids,
         lengths,
         variants,
-        names=[doc.name for doc in documents],
+        names=documents.names,
         max_documents=max_documents,
         train_length=train_length,
         chunk_size=args.chunk_size,
-        bos_id=bos_id,
+        bos_id=documents.bos_id,
         progress=args.progress,
-        on_variant=row_printer(lengths, train_length, "perplexity"),
+        on_variant=on_variant or row_printer(lengths, train_length, "perplexity"),
     )
-
-
-def reads_behind_bos(tokenizer) -> bool:
-    """Whether the tokenizer opens every text with its BOS token (then segments are read behind BOS too)."""
-    ids = tokenizer("a")["input_ids"]
-    return tokenizer.bos_token_id is not None and bool(ids) and ids[0] == tokenizer.bos_token_id
 
 
 def row_printer(lengths: Sequence[int], train_length: int | None, measure: str) -> OnVariant:

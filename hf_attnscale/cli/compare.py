@@ -1,0 +1,287 @@
+"""``hf-attnscale compare``: the demo's comparison on any causal LM: unpatched, logn, window-only and
+sink+window streaming at each cache size, and re-computation.
+
+Re-computation predicts each token from its last C tokens re-read from scratch (StreamingLLM's oracle
+baseline): a model call per token. On a long stream it is scored on an evenly spaced subsample of the tokens
+(``--recompute-every``), the same tokens at every length, and the output says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from .options import (
+    CommandError,
+    add_data_arguments,
+    add_model_arguments,
+    add_output_arguments,
+    device,
+    documents,
+    lengths_type,
+    load_model,
+    model_name,
+)
+from .sweep import Tokenized, row_printer, run_sweep, tokenized, write_results
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from hf_attnscale.evaluation.report import SweepResult, SweepRow
+    from hf_attnscale.evaluation.sweep import OnVariant
+    from hf_attnscale.evaluation.variants import Variant
+
+CACHE = 256
+"""The default cache size (or the trained length, if shorter)."""
+MULTIPLES = (1, 2, 4, 8)
+"""The default lengths, as multiples of the smallest cache: minutes for a 135M model on two CPU cores."""
+DOCUMENTS = 2
+RECOMPUTE_EVERY = 32
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """The ``compare`` subparser."""
+    parser = commands.add_parser(
+        "compare",
+        help="the demo's comparison on any causal LM: unpatched, logn, window-only, sink+window, re-computation",
+        description="Evaluate a causal LM (a folder, a Hub id, a GGUF file or a real checkpoint's name) on "
+        "held-out text at several lengths, as the demo does: unpatched; logn, if a length exceeds the trained "
+        "length; window-only and sink+window streaming (StreamingLLM's SinkCache) at each cache size; and "
+        "re-computation, each token predicted from its last C tokens re-read from scratch. Prints the table "
+        "and writes results.json and ppl_vs_length.png. With no arguments: the shipped tiny model, offline.",
+    )
+    add_model_arguments(parser)
+    add_data_arguments(parser)
+    parser.add_argument(
+        "--caches",
+        type=lengths_type,
+        help=f"cache sizes in tokens, sinks included, e.g. 256,1k (default {CACHE}, or the trained length if "
+        "shorter)",
+    )
+    parser.add_argument(
+        "--sink-tokens", type=int, default=4, help="sink tokens of the sink+window caches (default 4)"
+    )
+    parser.add_argument(
+        "--lengths",
+        type=lengths_type,
+        help="evaluation lengths, each dividing the longest (default: the smallest cache times 1, 2, 4, 8)",
+    )
+    parser.add_argument(
+        "--train-length",
+        type=int,
+        help="the model's trained length, for logn and the plot (default: max_position_embeddings)",
+    )
+    parser.add_argument(
+        "--documents",
+        type=int,
+        default=DOCUMENTS,
+        help=f"held-out documents to evaluate (default {DOCUMENTS}; more is slower and steadier)",
+    )
+    recompute = parser.add_argument_group("re-computation (a model call per scored token: slow)")
+    recompute.add_argument(
+        "--recompute-every",
+        type=int,
+        default=RECOMPUTE_EVERY,
+        metavar="N",
+        help=f"score it on every Nth token only, the same tokens at every length (default {RECOMPUTE_EVERY}; "
+        "1: every token)",
+    )
+    recompute.add_argument("--no-recompute", action="store_true", help="leave re-computation out")
+    add_output_arguments(parser, "hf-attnscale-compare")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the comparison; returns the exit status."""
+    started = time.perf_counter()
+    if args.recompute_every < 1:
+        raise CommandError(f"--recompute-every must be at least 1, got {args.recompute_every}.")
+    docs = documents(args.data, args.text_field)  # data errors are cheaper to find than a download
+    on = device(args)
+    model, tokenizer, kind = load_model(args, on)
+    name = model_name(args)
+    if kind != "causal":
+        raise CommandError(
+            f"{name} is a masked LM (an encoder); compare reads causal LMs. For an encoder's MLM measures "
+            "use hf-attnscale eval."
+        )
+    train_length = args.train_length or getattr(model.config, "max_position_embeddings", None)
+    if not train_length:
+        raise CommandError(f"{name}'s config gives no max_position_embeddings; pass --train-length N.")
+    caches = args.caches or [min(CACHE, train_length)]
+    if min(caches) <= args.sink_tokens:
+        raise CommandError(
+            f"Each cache must hold more than the {args.sink_tokens} sink tokens; got {caches}."
+        )
+    lengths = args.lengths or [min(caches) * m for m in MULTIPLES]
+    variants = comparison_variants(caches, args.sink_tokens, train_length, max(lengths))
+    # The trained length is marked (and lengths labelled as multiples of it) only where a length reaches it.
+    shown_length = train_length if max(lengths) >= train_length else None
+    texts = tokenized(tokenizer, docs)
+    printer = row_printer(lengths, shown_length, "perplexity")
+    result = run_sweep(
+        args,
+        model,
+        texts,
+        lengths,
+        variants,
+        train_length=shown_length,
+        max_documents=args.documents,
+        on_variant=printer,
+    )
+    notes = []
+    if not any(v.name == "logn" for v in variants):
+        notes.append(
+            f"logn left out: every length is within the trained length ({train_length}), where its factor "
+            "max(1, log_L n) is 1."
+        )
+    if args.no_recompute:
+        notes.append("re-computation left out (--no-recompute).")
+    else:
+        notes.append(add_recompute(args, model, texts, result, caches, printer))
+    print("\n" + "\n".join(f"note: {note}" for note in notes), flush=True)
+    return write_results(
+        args,
+        result,
+        started,
+        model=name,
+        data=args.data,
+        device=str(on),
+        trained_length=train_length,
+        caches=caches,
+        sink_tokens=args.sink_tokens,
+        recompute_every=None if args.no_recompute else args.recompute_every,
+        notes=notes,
+        title=f"{name} (trained at {train_length} tokens): {args.data}",
+    )
+
+
+def comparison_variants(
+    caches: Sequence[int], sink_tokens: int, train_length: int, longest: int
+) -> list[Variant]:
+    """unpatched; logn if ``longest`` exceeds ``train_length`` (within it, logn is 1); then window-only and
+    sink+window streaming with each cache (of ``cache`` tokens, ``sink_tokens`` of them sinks)."""
+    from hf_attnscale.evaluation.variants import Variant
+
+    variants = [Variant("unpatched")]
+    if longest > train_length:
+        variants.append(Variant("logn", patch={"scale": "logn", "train_length": train_length}))
+    for cache in caches:
+        window = cache - sink_tokens
+        variants += [
+            Variant(f"window-only ({cache})", window=cache),
+            Variant(f"sink+window ({sink_tokens}+{window})", sink_tokens=sink_tokens, window=window),
+        ]
+    return variants
+
+
+def add_recompute(
+    args: argparse.Namespace,
+    model: nn.Module,
+    texts: Tokenized,
+    result: SweepResult,
+    caches: Sequence[int],
+    printer: OnVariant,
+) -> str:
+    """Score re-computation with each cache on the sweep's documents and add its rows to ``result``; returns a
+    note on what it scored."""
+    from hf_attnscale.evaluation.sweep import choose_documents, run_variants
+    from hf_attnscale.evaluation.variants import Variant
+
+    ids = texts.ids
+    if texts.bos_id is not None:  # as the sweep does: each document's own BOS is set aside
+        ids = [d[1:] if d.numel() and int(d[0]) == texts.bos_id else d for d in ids]
+    longest = result.lengths[-1]
+    chosen = choose_documents(ids, longest, texts.names, args.documents)
+    chosen = [(name, doc[:longest]) for name, doc in chosen]
+    sampled = f"; 1 token in {args.recompute_every}" if args.recompute_every > 1 else ""
+    by_name = {f"re-computation ({cache}{sampled})": cache for cache in caches}
+    extra = run_variants(
+        model,
+        [Variant(name) for name in by_name],
+        lambda variant: recompute_rows(
+            model,
+            variant.name,
+            by_name[variant.name],
+            [doc for _, doc in chosen],
+            result.lengths,
+            every=args.recompute_every,
+            bos_id=texts.bos_id,
+            chunk_size=args.chunk_size,
+            progress=args.progress,
+        ),
+        lengths=result.lengths,
+        documents=chosen,
+        train_length=result.train_length,
+        info={},
+        on_variant=printer,
+    )
+    result.rows += extra.rows
+    result.variants += extra.variants
+    result.seconds.update(extra.seconds)
+    note = "re-computation: each token predicted from the last C tokens before it in its segment, re-read"
+    if args.recompute_every == 1:
+        return note + " from scratch."
+    scored, total = extra.rows[-1].tokens, next(r.tokens for r in result.rows if r.length == longest)
+    return (
+        f"{note} from scratch, on one token in {args.recompute_every} only ({scored} of the {total} tokens "
+        "the other rows score at each length): its perplexities are estimates from that subsample."
+    )
+
+
+def recompute_rows(
+    model: nn.Module,
+    name: str,
+    cache: int,
+    docs: Sequence[torch.Tensor],
+    lengths: Sequence[int],
+    *,
+    every: int = 1,
+    bos_id: int | None = None,
+    chunk_size: int = 512,
+    progress: bool | None = None,
+) -> list[SweepRow]:
+    """Re-computation's rows, a `SweepRow` per length, read as the sweep reads a length (in segments, from
+    scratch, behind ``bos_id`` if given).
+
+    Token ``p`` of its L-token segment is predicted from the last ``cache`` tokens before it in the segment (BOS
+    first, then ``cache - 1`` of them, behind BOS), re-read from scratch. Only the tokens ``p`` with
+    ``p % every == every - 1`` in the document are scored, the same at every length. The tokens whose context
+    starts at the same token (a segment's first ``cache`` tokens; a token at several lengths) share one read.
+    """
+    from tqdm.auto import tqdm
+
+    from hf_attnscale.evaluation.perplexity import segment_nll
+    from hf_attnscale.evaluation.report import SweepRow
+
+    context = cache - (bos_id is not None)  # tokens of the segment a re-read holds before the predicted one
+    first = 0 if bos_id is not None else 1  # read without BOS, a segment's first token is not predicted
+    reads: dict[
+        tuple[int, int], dict[int, list[int]]
+    ] = {}  # (document, first token read) -> {token: lengths}
+    for d, doc in enumerate(docs):
+        for length in lengths:
+            for p in range(every - 1, doc.numel(), every):
+                start = p - p % length
+                if p - start >= first:
+                    reads.setdefault((d, max(start, p - context)), {}).setdefault(p, []).append(length)
+    nll_sum, counts = dict.fromkeys(lengths, 0.0), dict.fromkeys(lengths, 0)
+    for (d, start), targets in tqdm(
+        reads.items(), desc=name, unit="read", disable=None if progress is None else not progress
+    ):
+        # Causal: a read up to the last target gives each earlier target what a read up to it would.
+        nll = segment_nll(model, docs[d][start : max(targets) + 1], bos_id, chunk_size=chunk_size)
+        for p, scored_at in targets.items():
+            for length in scored_at:
+                nll_sum[length] += nll[p - start - first].item()
+                counts[length] += 1
+    if not all(counts.values()):
+        raise ValueError(f"Re-computation on 1 token in {every} scores none at some length; score more.")
+    return [
+        SweepRow(name, n, math.exp(nll_sum[n] / counts[n]), nll_sum[n] / counts[n], counts[n], len(docs))
+        for n in lengths
+    ]
