@@ -74,7 +74,7 @@ def perturb_like(models) -> None:
     states = [[m.hfa for m in attention_modules(model)] for model in models]
     for group in zip(*states, strict=True):
         for name, param in group[0].named_parameters():
-            value = param.detach().cpu() * (1 + 0.5 * torch.randn(param.shape, generator=generator)) + 0.5
+            value = param.detach().cpu() + 0.5 * torch.randn(param.shape, generator=generator)
             for state in group:
                 with torch.no_grad():
                     getattr(state, name).copy_(value)
@@ -250,7 +250,8 @@ def test_a_model_patched_then_dispatched_takes_its_parameters_back(checkpoint, t
     for m in (model, whole):
         hfa.unpatch(m)
     assert torch.equal(logits(model, IDS), logits(whole, IDS))
-    assert all("hfa" not in m._modules and "forward" in m.__dict__ for m in attention_modules(model))
+    for m in attention_modules(model):  # unpatched; accelerate's hook still wraps the class's forward
+        assert "hfa" not in m._modules and m._old_forward.__func__ is type(m).forward
 
 
 def test_empty_weights_patch_before_loading_or_refuse_clearly(checkpoint, tmp_path):
@@ -267,12 +268,13 @@ def test_empty_weights_patch_before_loading_or_refuse_clearly(checkpoint, tmp_pa
     ).eval()
     hfa.patch(whole, **OPTIONS["logn"])
     torch.testing.assert_close(logits(model, IDS), logits(whole, IDS), atol=1e-5, rtol=0)
-    for options in (LEARNABLE, None):  # loaded: the learnable options patch as on any dispatched model
-        for m in (model, whole):
-            hfa.patch(m, **options) if options else hfa.unpatch(m)
-        if options:
-            perturb_like([whole, model])
-        torch.testing.assert_close(logits(model, IDS), logits(whole, IDS), atol=1e-5, rtol=0)
+    for m in (model, whole):  # loaded: the learnable options patch as on any dispatched model
+        hfa.patch(m, **LEARNABLE)
+    perturb_like([whole, model])
+    torch.testing.assert_close(logits(model, IDS), logits(whole, IDS), atol=1e-5, rtol=0)
+    for m in (model, whole):
+        hfa.unpatch(m)
+    assert torch.equal(logits(model, IDS), logits(whole, IDS))
 
 
 @pytest.mark.filterwarnings("ignore:for base_model.*copying from a non-meta parameter")  # PEFT's, on offload

@@ -9,6 +9,9 @@ with the model, then install everything or nothing. What is installed on each at
 * for RoPE decoders, a forward that lets a `SinkCache` run the attention step (`hf_attnscale.core.routing`);
   for families that bypass the AttentionInterface (RoFormer), their replacement forward.
 
+On a model dispatched by accelerate (a ``device_map``, CPU or disk offload) the parameters live on each module's
+execution device and a forward goes under the module's accelerate hook (`hf_attnscale.core.offload`).
+
 The model's config records the patch under ``hf_attnscale``, so ``save_pretrained`` persists it; a task model
 first gets a private copy of its config, so that models built from one config object keep separate records.
 """
@@ -66,7 +69,9 @@ def patch(
     `SinkCache` streaming needs). Patching with the patch already in force changes nothing; another patch
     replaces it (it never stacks). The model is never left half-patched: on any error it stays as it was.
     Any wrapper is accepted (PEFT, DataParallel / DDP, torch.compile), and so is an inner model
-    (``model.model``): the patch belongs to the attention modules, whichever object is passed.
+    (``model.model``): the patch belongs to the attention modules, whichever object is passed. A model loaded
+    with a ``device_map`` (layers on several devices, offloaded to CPU or disk) is patched the same way; one
+    built under ``init_empty_weights`` takes the learnable options only once its weights are loaded.
 
     Example:
         >>> hfa.patch(model, scale="logn", train_length=4096, zero_kv=True)
