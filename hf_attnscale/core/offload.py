@@ -110,7 +110,8 @@ def restore_forward(module: nn.Module) -> None:
 
 def is_offloaded(module: nn.Module) -> bool:
     """Whether accelerate offloads ``module``'s own tensors (they are ``meta`` between its hook's calls)."""
-    return any(getattr(hook, "offload", False) for hook in _hooks(module))
+    hook = module.__dict__.get(HOOK_ATTR)  # read on every attention call: kept short
+    return hook is not None and any(getattr(h, "offload", False) for h in getattr(hook, "hooks", (hook,)))
 
 
 _TAKING_BACK = threading.Lock()
