@@ -61,4 +61,7 @@ def using_hooks(hooks: CallHooks) -> Iterator[CallHooks]:
 def take_hooks(kwargs: dict[str, Any]) -> CallHooks | None:
     """The hooks of this call: popped from the attention function's ``kwargs``, else the ambient ones."""
     hooks = kwargs.pop(HOOKS_KWARG, None)
-    return hooks if hooks is not None else _AMBIENT.get()
+    if hooks is not None or torch.compiler.is_compiling():
+        # torch.compile cannot trace a context variable; a compiled graph runs no probe or per-call hook.
+        return hooks
+    return _AMBIENT.get()
