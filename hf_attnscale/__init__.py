@@ -22,6 +22,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from .core.compat import check_transformers
+
+check_transformers()  # first: an unsupported transformers is one line here, not an ImportError later
+
 __version__ = "0.1.0"
 
 _EXPORTS = {
