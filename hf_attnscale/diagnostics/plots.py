@@ -47,8 +47,12 @@ def layer_colours(layers: int) -> tuple[list[tuple[float, ...]], ScalarMappable]
 
 def binned_by_octave(n: np.ndarray, values: np.ndarray, per_octave: int = BINS_PER_OCTAVE):
     """``values`` averaged over bins of ``n`` equally spaced in log2 n (every n of its own below ``per_octave``),
-    so that curves over hundreds of query positions read as curves. Returns (mean n, mean value) per bin."""
-    bins = np.where(n <= per_octave, n, 1e6 + np.floor(np.log2(np.maximum(n, 1)) * per_octave))
+    so that curves over hundreds of query positions read as curves. Returns (mean n, mean value) per bin.
+
+    The bins are counted down from the largest n, so that the last one is as wide as the others (a bin that
+    started at a power of two would end the curve on a single query)."""
+    octaves_below_top = np.log2(n.max()) - np.log2(np.maximum(n, 1))
+    bins = np.where(n <= per_octave, n, 1e6 - np.floor(octaves_below_top * per_octave))
     keys, inverse = np.unique(bins, return_inverse=True)
     counts = np.bincount(inverse, minlength=len(keys))
     return (
