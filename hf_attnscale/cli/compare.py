@@ -189,15 +189,11 @@ def add_recompute(
 ) -> str:
     """Score re-computation with each cache on the sweep's documents and add its rows to ``result``; returns a
     note on what it scored."""
-    from hf_attnscale.evaluation.sweep import choose_documents, run_variants
+    from hf_attnscale.evaluation.sweep import run_variants, sweep_documents
     from hf_attnscale.evaluation.variants import Variant
 
-    ids = texts.ids
-    if texts.bos_id is not None:  # as the sweep does: each document's own BOS is set aside
-        ids = [d[1:] if d.numel() and int(d[0]) == texts.bos_id else d for d in ids]
     longest = result.lengths[-1]
-    chosen = choose_documents(ids, longest, texts.names, args.documents)
-    chosen = [(name, doc[:longest]) for name, doc in chosen]
+    chosen = sweep_documents(texts.ids, longest, texts.names, args.documents, texts.bos_id)
     sampled = f"; 1 token in {args.recompute_every}" if args.recompute_every > 1 else ""
     by_name = {f"re-computation ({cache}{sampled})": cache for cache in caches}
     extra = run_variants(

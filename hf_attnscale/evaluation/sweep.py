@@ -109,10 +109,7 @@ def sweep(
     """
     lengths = check_lengths(lengths)
     check_variants(variants)
-    if bos_id is not None:  # set each document's own BOS aside: every segment gets one
-        documents = [d[1:] if d.numel() and int(d[0]) == bos_id else d for d in documents]
-    chosen = choose_documents(documents, lengths[-1], names, max_documents)
-    chosen = [(name, ids[: lengths[-1]]) for name, ids in chosen]
+    chosen = sweep_documents(documents, lengths[-1], names, max_documents, bos_id)
     _check_model_runs(model, variants)
     return run_variants(
         model,
@@ -180,6 +177,20 @@ def check_variants(variants: Sequence[Variant]) -> None:
     names = [v.name for v in variants]
     if len(set(names)) != len(names):
         raise ValueError(f"Variant names must be unique, got {names}.")
+
+
+def sweep_documents(
+    documents: Sequence[torch.Tensor],
+    longest: int,
+    names: Sequence[str] | None = None,
+    max_documents: int | None = None,
+    bos_id: int | None = None,
+) -> list[tuple[str, torch.Tensor]]:
+    """The ``(name, ids)`` a length sweep scores: each document's own BOS set aside (every segment gets one,
+    with ``bos_id``), the documents of at least ``longest`` tokens (`choose_documents`), each cut to that."""
+    if bos_id is not None:
+        documents = [d[1:] if d.numel() and int(d[0]) == bos_id else d for d in documents]
+    return [(name, ids[:longest]) for name, ids in choose_documents(documents, longest, names, max_documents)]
 
 
 def choose_documents(
