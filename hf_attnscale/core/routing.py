@@ -78,7 +78,12 @@ def forward_with_hooks(module: nn.Module, hooks: CallHooks, **kwargs: Any):
     if ambient is not None and hooks.probe is None:
         hooks = CallHooks(query=hooks.query, output=hooks.output, probe=ambient.probe)
     forward = type(module).forward
-    if any(p.kind is p.VAR_KEYWORD for p in _signature(forward).parameters.values()):
+    if _takes_any_keyword(forward):
         return forward(module, **kwargs, **{HOOKS_KWARG: hooks})
     with using_hooks(hooks):
         return forward(module, **kwargs)
+
+
+@functools.cache
+def _takes_any_keyword(function) -> bool:
+    return any(p.kind is p.VAR_KEYWORD for p in _signature(function).parameters.values())
