@@ -152,7 +152,7 @@ OVERRIDES: dict[str, dict] = {
 
 SKIPPED: dict[str, str] = {
     "roformer": "its attention is computed inline, not through the interface, so the interface reference cannot "
-    "stand in for it; tests/test_core.py::test_roformer_matches_reference checks its own forward",
+    "stand in for it; tests/core/test_attention.py::test_roformer_matches_reference checks its own forward",
 }
 """Types left out of the family tests, with the reason."""
 

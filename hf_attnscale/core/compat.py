@@ -4,14 +4,14 @@
 stops the import with one line naming the installed and the supported versions, instead of an ImportError
 from deep inside a later import. It reads the installed version from the package metadata, so it costs no
 import of transformers. The range is the tested one (README, "Compatibility"); pyproject.toml states the
-same (tests/test_compat.py checks that they agree).
+same (tests/core/test_compat.py checks that they agree).
 
 The shims, each named with the transformers versions that need it:
 
 * `create_position_bias_mask`: transformers' function of that name in
   ``transformers.integrations.sdpa_attention``, new in 5.14; transformers 5.13 lacks it (so do 5.0 to 5.12).
   ``core.attention`` folds a relative position bias (Inkling's) into the mask with it. The copy is used on
-  every version (one code path; tests/test_compat.py checks it against transformers' own where there is
+  every version (one code path; tests/core/test_compat.py checks it against transformers' own where there is
   one), and is written with tensor methods only, so that this module imports neither torch nor
   transformers.
 

@@ -23,8 +23,8 @@ saves it through ``modules_to_save=["hfa"]``: PEFT swaps the child for a ``Modul
 attribute reads fall through to the active copy, which the attention function uses unchanged.
 ``merge_and_unload()`` puts the trained copy back as a plain `AttnScaleState`, so the merged model stays
 patched, and ``save_pretrained`` + ``hfa.patch(from_pretrained(...))`` restore it with its learned values.
-Gradient checkpointing, bf16 autocast, torch.compile, DDP and FSDP2 work (tests/test_finetune.py,
-tests/test_distributed.py; examples/DISTRIBUTED.md).
+Gradient checkpointing, bf16 autocast, torch.compile, DDP and FSDP2 work (tests/integrations/test_peft_adapters.py,
+tests/training/test_distributed.py; examples/DISTRIBUTED.md).
 
 peft is imported lazily, so ``import hf_attnscale`` works without it.
 """

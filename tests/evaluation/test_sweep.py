@@ -8,13 +8,14 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import random_documents, tiny_model
+from conftest import random_documents, tiny_lm_with_tokenizer, tiny_model
 
 import hf_attnscale as hfa
 from hf_attnscale.cli.options import parse_lengths
 from hf_attnscale.evaluation.corpus import Document, builtin_documents
 from hf_attnscale.evaluation.documents import load_documents
-from hf_attnscale.evaluation.sweep import Variant, demo_variants, sweep
+from hf_attnscale.evaluation.perplexity import perplexity
+from hf_attnscale.evaluation.sweep import Variant, demo_variants, recompute_rows, sweep
 
 
 def segment_ppl(model, documents: list[torch.Tensor], longest: int, length: int) -> float:
@@ -153,3 +154,34 @@ def test_table_json_and_plot(tmp_path):
 
     png = result.plot(tmp_path / "out" / "ppl.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+
+def test_re_computation_equals_the_perplexity_method():
+    model, _ = tiny_lm_with_tokenizer()
+    doc = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(0))
+    full = perplexity(model, doc, method="recompute", window=12).nll.double()
+    (row,) = recompute_rows(model, "r", 12, [doc], [64])
+    assert row.tokens == 63 and row.nll == pytest.approx(full.mean().item(), rel=1e-5)
+    (row,) = recompute_rows(model, "r", 12, [doc], [64], every=4)  # tokens 3, 7, ...: nll[2], nll[6], ...
+    assert row.tokens == 16 and row.nll == pytest.approx(full[2::4].mean().item(), rel=1e-5)
+    # Two 32-token segments: the second starts from scratch (its first token is not predicted).
+    second = perplexity(model, doc[32:], method="recompute", window=12).nll.double()
+    rows = recompute_rows(model, "r", 12, [doc], [32, 64])
+    assert rows[0].nll == pytest.approx(torch.cat([full[:31], second]).mean().item(), rel=1e-5)
+
+
+def test_re_computation_behind_bos_holds_bos_and_the_last_tokens():
+    model, tokenizer = tiny_lm_with_tokenizer()
+    bos = tokenizer.bos_token_id
+    doc = torch.randint(3, model.config.vocab_size, (48,), generator=torch.Generator().manual_seed(1))
+    # Written out: token j of a 24-token segment is predicted from BOS and the segment's last 11 tokens before it.
+    nll = []
+    with torch.no_grad():
+        for start in (0, 24):
+            for j in range(start, start + 24):
+                context = torch.cat([torch.tensor([bos]), doc[max(start, j - 11) : j]])
+                nll.append(F.cross_entropy(model(context[None]).logits[0, -1], doc[j]).item())
+    (row,) = recompute_rows(model, "r", 12, [doc], [24], bos_id=bos)
+    assert row.tokens == 48 and row.nll == pytest.approx(sum(nll) / 48, rel=1e-5)
+    (row,) = recompute_rows(model, "r", 12, [doc], [24], bos_id=bos, every=5)  # tokens 4, 9, ..., 44
+    assert row.tokens == 9 and row.nll == pytest.approx(sum(nll[4::5]) / 9, rel=1e-5)

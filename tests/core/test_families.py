@@ -71,7 +71,7 @@ def test_family_matches_the_reference(model_type, attn, feature):
     with torch.no_grad():
         got, want = patched(**inputs).logits, reference(**inputs).logits
     # Logits after two sharp layers (MoE routing, logit scaling): fp32 rounding compounds to ~5e-5 here;
-    # a wrong law, mask or exit moves them by 1e-2 or more. Attention outputs alone are held to 1e-5 in test_core.
+    # a wrong law, mask or exit moves them by 1e-2 or more. Attention outputs alone are held to 1e-5 in core/test_attention.py.
     tolerance = LOGIT_TOLERANCE.get(model_type, 1e-4)
     torch.testing.assert_close(got[rows], want[rows], atol=tolerance, rtol=tolerance)
     assert (got[rows] - baseline[rows]).abs().max() > 1e-5, "the patch changed nothing"

@@ -5,8 +5,8 @@ with `accelerate` (DistributedDataParallel underneath) or with PyTorch's FSDP2 (
 what each rank saw to ``--out``; the tests check it. Each rank trains on its own half of every batch, so the
 ranks agree only if gradients are averaged, and then they match one process training on the whole batch.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/test_distributed.py --out DIR
-    accelerate launch --multi_gpu --num_processes 2 tests/test_distributed.py --out DIR
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/training/test_distributed.py --out DIR
+    accelerate launch --multi_gpu --num_processes 2 tests/training/test_distributed.py --out DIR
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ LENGTH = 24
 LR = 2e-2
 OPTIONS = {"scale": "logn", "train_length": 8, "sink_logit": "learnable"}
 WORLD = 2
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAUNCHERS = {
     "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}"],
     "accelerate": [
@@ -231,4 +231,5 @@ if __name__ == "__main__":
     parser.add_argument("--mode", choices=["ddp", "fsdp2"], default="ddp")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    sys.path.insert(0, str(ROOT / "tests"))  # the shared factories (conftest.py), as pytest would find them
     worker(args.mode, args.out)

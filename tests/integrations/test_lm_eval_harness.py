@@ -24,7 +24,7 @@ from hf_attnscale.evaluation.corpus import builtin_documents, long_documents  # 
 from hf_attnscale.evaluation.models import default_model_path  # noqa: E402
 from hf_attnscale.integrations.lm_eval_harness import TASKS_DIR, HFAttnScaleLM  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EVAL_CONFIGS = TASKS_DIR
 TASK = "hfa_local_jsonl"
 MAX_LENGTH = 48

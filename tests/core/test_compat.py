@@ -14,7 +14,7 @@ import torch
 
 from hf_attnscale.core import compat
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("version", ["5.13.0", "5.13.1", "5.23.0", "5.99.3", "5.24.0.dev0", "5.30.0rc1"])

@@ -4,7 +4,7 @@ The model has one layer, so the keys and values a token leaves in the cache depe
 reference can then compute any position of the stream from scratch (the first S tokens and the last W, at
 positions 0..n-1, the query last), with RoPE in float64.
 
-    python -m pytest -q -m slow tests/test_streaming_long.py
+    python -m pytest -q -m slow tests/streaming/test_long_streams.py
 """
 
 from __future__ import annotations
