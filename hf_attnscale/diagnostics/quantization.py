@@ -9,6 +9,10 @@ simulates that in floating point, on every `nn.Linear` of the model:
   (dynamic per-tensor quantisation: the setting in which an outlier costs every other value its precision).
 
 Embeddings, norms and the attention matmuls stay in floating point; no parameter is modified.
+
+``keep_first=k`` keeps the first ``k`` tokens of every sequence out of it: their inputs stay in floating point and
+are left out of the range the others are quantised in. Those are the attention sinks, where pretrained models
+put their largest activations, so this measures how much of the loss the sinks' outliers cause.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hf_attnscale.validation import check_int
 
 LEVELS = 127
 """Symmetric int8: integers in [-127, 127]."""
@@ -35,8 +41,11 @@ def quantize_symmetric(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def fake_quantized(model: nn.Module) -> Iterator[nn.Module]:
+def fake_quantized(model: nn.Module, keep_first: int = 0) -> Iterator[nn.Module]:
     """``with fake_quantized(model):`` runs every linear layer of ``model`` in simulated W8A8 (see the module).
+
+    ``keep_first``: the first tokens of each sequence (dimension -2 of a linear layer's input) whose inputs stay
+    in floating point, outside the quantisation range of the rest.
 
     No parameter is modified (a weight tied to an embedding stays exact there): each linear layer runs a
     quantised copy of its weight for the duration, and its own forward again after.
@@ -45,22 +54,28 @@ def fake_quantized(model: nn.Module) -> Iterator[nn.Module]:
         >>> with fake_quantized(model):
         ...     quantized_loss = model(input_ids=ids, labels=ids).loss
     """
+    keep_first = check_int("keep_first", keep_first, 0)
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     if not linears:
         raise ValueError(f"{type(model).__name__} has no nn.Linear layer to quantise.")
     try:
         for module in linears:
-            module.forward = _w8a8_forward(module)
+            module.forward = _w8a8_forward(module, keep_first)
         yield model
     finally:
         for module in linears:
             module.__dict__.pop("forward", None)
 
 
-def _w8a8_forward(module: nn.Linear):
+def _w8a8_forward(module: nn.Linear, keep_first: int):
     weight = quantize_symmetric(module.weight.detach(), dim=0)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return F.linear(quantize_symmetric(x), weight, module.bias)
+        if keep_first and x.dim() >= 2:
+            kept, rest = x[..., :keep_first, :], x[..., keep_first:, :]
+            x = torch.cat([kept, quantize_symmetric(rest)], dim=-2) if rest.numel() else kept
+        else:
+            x = quantize_symmetric(x)
+        return F.linear(x, weight, module.bias)
 
     return forward

@@ -164,3 +164,26 @@ def test_w8a8_runs_quantised_linears_and_restores_the_model():
     assert not any("forward" in m.__dict__ for m in model.modules())
     with pytest.raises(ValueError, match=r"no nn\.Linear"), fake_quantized(torch.nn.Embedding(3, 2)):
         pass
+
+
+def test_w8a8_keeps_the_first_tokens_out_of_the_quantisation_range():
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    linear = model.model.layers[0].mlp.down_proj
+    x = torch.randn(2, 5, linear.in_features)
+    x[:, 0, 0] = 1e3  # the sink token's outlier
+    weight = quantize_symmetric(linear.weight, dim=0)
+    with torch.no_grad(), fake_quantized(model, keep_first=1):
+        got = linear(x)
+        short = linear(x[:, :1])
+    # The first token is exact (in float), the rest quantised on their own range, which the outlier no longer sets.
+    rest = quantize_symmetric(x[:, 1:])
+    want = torch.nn.functional.linear(torch.cat([x[:, :1], rest], dim=1), weight, linear.bias)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert rest.abs().max() < 10 and (rest - x[:, 1:]).abs().max() < x[:, 1:].abs().max() / 127
+    # (a different matmul shape: float rounding of outputs of size ~1e3)
+    torch.testing.assert_close(
+        short, torch.nn.functional.linear(x[:, :1], weight, linear.bias), rtol=1e-6, atol=1e-4
+    )
+    with pytest.raises(ValueError, match="keep_first"), fake_quantized(model, keep_first=-1):
+        pass
