@@ -26,6 +26,7 @@ from hf_attnscale.core.attention import visible_keys
 from hf_attnscale.core.config import AttnScaleConfig
 from hf_attnscale.core.hooks import CallHooks, using_hooks
 from hf_attnscale.core.models import backbone, unwrap
+from hf_attnscale.core.offload import run_device
 from hf_attnscale.core.patching import patched
 from hf_attnscale.core.state import get_config, patched_modules
 from hf_attnscale.validation import check_int
@@ -168,7 +169,7 @@ def attention_statistics(
     root = unwrap(model)
     with _probed(root, sink_tokens) as collector:
         # The attention runs in the backbone: the head's logits would only cost memory (GBs on long inputs).
-        backbone(root)(input_ids=input_ids.to(next(root.parameters()).device), attention_mask=attention_mask)
+        backbone(root)(input_ids=input_ids.to(run_device(root)), attention_mask=attention_mask)
     if not collector.sums:
         raise ValueError("No attention call was probed: the model ran none of its patched attention modules.")
     batch = input_ids.shape[0]

@@ -15,6 +15,7 @@ from torch import nn
 
 from hf_attnscale.core.families import attention_modules
 from hf_attnscale.core.models import backbone, unwrap
+from hf_attnscale.core.offload import run_device
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ def activation_outliers(
     hooks = [m.register_forward_hook(record) for m in attention_modules(root)]
     try:
         result = backbone(root)(
-            input_ids=input_ids.to(next(root.parameters()).device),
+            input_ids=input_ids.to(run_device(root)),
             attention_mask=attention_mask,
             output_hidden_states=True,
         )

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hf_attnscale.core.offload import run_device
 from hf_attnscale.validation import check_int
 
 from .report import SweepResult, SweepRow
@@ -45,7 +46,7 @@ def _windows(
 
 
 def _device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
+    return run_device(model)
 
 
 @torch.no_grad()

@@ -22,6 +22,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
+from hf_attnscale.core.offload import run_device
 from hf_attnscale.streaming.cache import SinkCache
 from hf_attnscale.streaming.pos_shift import check_streaming_model
 from hf_attnscale.validation import check_int
@@ -152,8 +153,7 @@ def _one_stream(input_ids: torch.Tensor, model: nn.Module) -> torch.Tensor:
     ids = input_ids.view(1, -1) if input_ids.dim() == 1 else input_ids
     if ids.shape[0] != 1:
         raise ValueError(f"perplexity() scores one stream; got a batch of {ids.shape[0]}.")
-    device = next(model.parameters()).device
-    return ids.to(device=device, dtype=torch.long)
+    return ids.to(device=run_device(model), dtype=torch.long)
 
 
 def _chunked(model: nn.Module, ids: torch.Tensor, cache, chunk_size: int, bar) -> torch.Tensor:

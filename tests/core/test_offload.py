@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_attnscale as hfa
 from hf_attnscale.core.families import attention_modules
+from hf_attnscale.diagnostics import activation_outliers, attention_statistics
 
 peft = pytest.importorskip("peft")
 
@@ -177,14 +178,22 @@ def test_streaming_and_generate_match_the_whole_model(checkpoint, layout, tmp_pa
             torch.testing.assert_close(ppl[1].nll, ppl[0].nll, atol=1e-5, rtol=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hfa.perplexity puts the ids on the model's first weight's device, meta when that weight is "
-    "offloaded; hf_attnscale.core.offload.run_device is the device to put them on",
-)
-def test_perplexity_of_a_model_whose_first_weight_is_offloaded(checkpoint, tmp_path):
-    model = hfa.patch(load_dispatched(checkpoint, "cpu_offload", tmp_path))
-    hfa.perplexity(model, STREAM, cache=hfa.SinkCache(2, 8), chunk_size=5, progress=False)
+def test_evaluation_and_diagnostics_of_a_model_whose_first_weight_is_offloaded(checkpoint, tmp_path):
+    # cpu_offload leaves every weight on meta: the inputs must go to accelerate's execution device.
+    whole = hfa.patch(load_whole(checkpoint))
+    dispatched = hfa.patch(load_dispatched(checkpoint, "cpu_offload", tmp_path))
+    assert next(dispatched.parameters()).device.type == "meta"
+    ppl = [
+        hfa.perplexity(m, STREAM, cache=hfa.SinkCache(2, 8), chunk_size=5, progress=False).nll
+        for m in (whole, dispatched)
+    ]
+    torch.testing.assert_close(ppl[1], ppl[0], atol=1e-5, rtol=0)
+    dense = [hfa.perplexity(m, STREAM, chunk_size=7, progress=False).nll for m in (whole, dispatched)]
+    torch.testing.assert_close(dense[1], dense[0], atol=1e-5, rtol=0)
+    stats = [attention_statistics(m, STREAM).sink_mass for m in (whole, dispatched)]
+    torch.testing.assert_close(stats[1], stats[0], atol=1e-5, rtol=0)
+    outliers = [activation_outliers(m, STREAM).hidden_max_abs for m in (whole, dispatched)]
+    torch.testing.assert_close(outliers[1], outliers[0], atol=1e-5, rtol=1e-6)
 
 
 def test_learnable_parameters_train_with_peft_as_on_the_whole_model(checkpoint, tmp_path):
