@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -160,8 +161,15 @@ def load_model(args: argparse.Namespace, on: torch.device) -> tuple[Any, Any, st
     ``--attn-implementation``: ``(model, tokenizer, kind)`` (see `hf_attnscale.evaluation.models.load_model`)."""
     from hf_attnscale.evaluation import models
 
+    progress = getattr(args, "progress", None)
+    progress = sys.stderr.isatty() if progress is None else progress
     return models.load_model(
-        args.model, on, dtype(args.dtype), args.attn_implementation, gguf_file=args.gguf_file
+        args.model,
+        on,
+        dtype(args.dtype),
+        args.attn_implementation,
+        gguf_file=args.gguf_file,
+        progress=progress,
     )
 
 

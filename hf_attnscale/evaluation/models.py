@@ -127,12 +127,15 @@ def load_model(
     dtype: Any,
     attn_implementation: str = "sdpa",
     gguf_file: str | None = None,
+    *,
+    progress: bool = True,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
     """A language model (in eval mode, on ``device``, with the patch saved with it), its tokenizer and kind.
 
     ``name`` is anything `resolve_model_path` takes (a folder, a Hub id, the shipped model, a real checkpoint's
     name), or a path to a ``.gguf`` file. ``gguf_file`` names a GGUF file in that folder or Hub repo (or is a
-    path to one); its weights are de-quantised (`hf_attnscale.from_pretrained`). The kind is "causal" or
+    path to one); its weights are de-quantised (`hf_attnscale.from_pretrained`). ``progress``: progress bars
+    while a real checkpoint is fetched. The kind is "causal" or
     "masked" (`model_kind`). Fails fast, saying why, when the model is neither a local directory nor in the
     Hugging Face cache and the Hub cannot be reached.
 
@@ -144,7 +147,7 @@ def load_model(
         FetchError: a real checkpoint could not be fetched.
     """
     name, gguf_file = split_gguf(name, gguf_file)
-    resolved = resolve_model_path(name)
+    resolved = resolve_model_path(name, progress=progress)
     path = Path(resolved).expanduser()
     # Anything that cannot be a Hub id ("org/name") is a local path; never send it to the Hub.
     looks_local = path.exists() or resolved.startswith((".", "/", "~")) or resolved.count("/") > 1

