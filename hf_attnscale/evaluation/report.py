@@ -26,6 +26,10 @@ DEFINITIONS = {
 }
 
 
+LEGEND_INSIDE = 6
+"""Up to this many variants the legend sits inside the plot; more go beside it."""
+
+
 @dataclass(frozen=True)
 class SweepRow:
     """One variant at one length: perplexity (pseudo-perplexity for a masked LM), and MLM accuracy if any."""
@@ -145,7 +149,11 @@ class SweepResult:
         ax.set_ylabel("perplexity (lower is better)")
         ax.set_title(title or "Held-out perplexity against evaluation length")
         ax.grid(True, which="major", alpha=0.3)
-        ax.legend(frameon=False)
+        if len(self.variants) > LEGEND_INSIDE:  # a long legend would cover the lines: it goes to the right
+            fig.set_figwidth(fig.get_figwidth() + 3.2)
+            ax.legend(frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+        else:
+            ax.legend(frameon=False)
         fig.tight_layout()
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

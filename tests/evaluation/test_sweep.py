@@ -156,6 +156,25 @@ def test_table_json_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
 
 
+def test_a_long_legend_goes_beside_the_plot(tmp_path):
+    from matplotlib.image import imread
+
+    from hf_attnscale.evaluation.report import LEGEND_INSIDE, SweepResult, SweepRow
+
+    def result(count: int) -> SweepResult:
+        variants = [Variant(f"variant {i}") for i in range(count)]
+        rows = [
+            SweepRow(v.name, n, 10.0 + i, math.log(10.0 + i), 8, 1)
+            for i, v in enumerate(variants)
+            for n in (8, 16)
+        ]
+        return SweepResult(rows, variants, [8, 16], ["doc0"])
+
+    inside = imread(result(LEGEND_INSIDE).plot(tmp_path / "inside.png"))
+    beside = imread(result(LEGEND_INSIDE + 1).plot(tmp_path / "beside.png"))
+    assert beside.shape[0] == inside.shape[0] and beside.shape[1] > 1.3 * inside.shape[1]
+
+
 def test_re_computation_equals_the_perplexity_method():
     model, _ = tiny_lm_with_tokenizer()
     doc = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(0))
