@@ -34,7 +34,7 @@ class Context:
     @property
     def stream_tokens(self) -> int:
         """Tokens of the streams of sections 1-3: 2.5x SmolLM2's trained context, past which dense must break."""
-        return 1024 if self.quick else 20_480
+        return 2048 if self.quick else 20_480
 
     @functools.cached_property
     def cells(self) -> Cells:
