@@ -86,6 +86,14 @@ def run(args: argparse.Namespace) -> int:
         )
     if measure == "mlm" and kind == "causal":
         raise CommandError(f"{args.model} is a causal LM; --measure mlm is for masked LMs (encoders).")
+    from hf_attnscale.evaluation.models import has_lm_head
+
+    if not has_lm_head(model.config):
+        raise CommandError(
+            f"{args.model} was saved without its language-model head ({', '.join(model.config.architectures)}: "
+            "a bare encoder, such as a sentence encoder), so its MLM measures would come from a head initialised "
+            "at random. hf-attnscale diagnose reads it: attention and activation statistics need no head."
+        )
     variant = _variant(args, model, options, settings)
     variants = [Variant("unpatched"), variant] if args.baseline and variant.patch is not None else [variant]
     train_length = args.scale_length or getattr(model.config, "max_position_embeddings", None)

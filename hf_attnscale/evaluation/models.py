@@ -81,6 +81,15 @@ def load_default_model(
     return model.eval(), tokenizer
 
 
+def has_lm_head(config: Any) -> bool:
+    """Whether the saved model has its language-model head: False for a bare encoder saved as its base class
+    (a sentence encoder such as all-MiniLM-L6-v2 is saved as ``BertModel``), whose head transformers would
+    initialise at random. True when the config names no architecture."""
+    architectures = getattr(config, "architectures", None) or []
+    heads = ("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForPreTraining", "ForConditionalGeneration")
+    return not architectures or any(a.endswith(heads) for a in architectures)
+
+
 def model_kind(config: Any) -> str:
     """``"causal"`` or ``"masked"``: which head a saved model is evaluated with.
 

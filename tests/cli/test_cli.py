@@ -6,7 +6,7 @@ import json
 import re
 
 import pytest
-from conftest import tiny_lm_with_tokenizer
+from conftest import tiny_lm_with_tokenizer, tiny_mlm_with_tokenizer
 
 from hf_attnscale.cli import build_parser, main
 from hf_attnscale.evaluation.corpus import builtin_documents
@@ -345,3 +345,19 @@ def test_compare_errors_are_one_clear_line(model_dir, data_file, tmp_path, capsy
     last = err.strip().splitlines()[-1]
     assert code == 2 and last.startswith("hf-attnscale compare: error: ") and re.search(message, last), err
     assert not (tmp_path / "o").exists()
+
+
+def test_eval_refuses_an_encoder_saved_without_its_head(data_file, tmp_path, capsys):
+    # A sentence encoder (all-MiniLM-L6-v2) is saved as BertModel: transformers would give it a random MLM head.
+    model, tokenizer = tiny_mlm_with_tokenizer()
+    model.bert.save_pretrained(tmp_path / "encoder")
+    tokenizer.save_pretrained(tmp_path / "encoder")
+    argv = ["eval", "--model", str(tmp_path / "encoder"), "--data", str(data_file), "--lengths", "16,32"]
+    code, _, err = run(capsys, *argv, "--no-progress", "--out", str(tmp_path / "o"))
+    assert code == 2 and "saved without its language-model head (BertModel" in err
+    assert "hf-attnscale diagnose reads it" in err
+    model.save_pretrained(tmp_path / "mlm")  # BertForMaskedLM: its head is saved, and eval runs
+    tokenizer.save_pretrained(tmp_path / "mlm")
+    argv[2] = str(tmp_path / "mlm")
+    code, _, err = run(capsys, *argv, "--no-progress", "--out", str(tmp_path / "o"))
+    assert code == 0, err
