@@ -39,6 +39,8 @@ MULTIPLES = (1, 2, 4, 8)
 """The default lengths, as multiples of the smallest cache: minutes for a 135M model on two CPU cores."""
 DOCUMENTS = 2
 RECOMPUTE_EVERY = 32
+FEW_TOKENS = 200
+"""Re-computation scoring fewer tokens than this gets a warning that its estimate is noisy."""
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -221,7 +223,13 @@ def add_recompute(
     if args.recompute_every == 1:
         return note + " from scratch."
     scored, total = extra.rows[-1].tokens, next(r.tokens for r in result.rows if r.length == longest)
-    return (
+    note = (
         f"{note} from scratch, on one token in {args.recompute_every} only ({scored} of the {total} tokens "
-        "the other rows score at each length): its perplexities are estimates from that subsample."
+        "the other rows score at each length): its perplexities are estimates from that subsample"
     )
+    if scored < FEW_TOKENS:
+        return (
+            f"{note}, and {scored} tokens are too few for a steady one (its perplexity can differ from the "
+            "other rows' by the sample alone): lower --recompute-every or raise --documents."
+        )
+    return note + "."

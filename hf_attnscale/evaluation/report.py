@@ -107,7 +107,7 @@ class SweepResult:
         # matplotlib takes about a second to import and only plots need it.
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
-        from matplotlib.ticker import FixedLocator, NullLocator
+        from matplotlib.ticker import FixedLocator, LogLocator, NullLocator, ScalarFormatter
 
         fig = Figure(figsize=(7.5, 4.8), dpi=120)
         FigureCanvasAgg(fig)
@@ -133,6 +133,10 @@ class SweepResult:
         values = [r.ppl for r in self.rows if math.isfinite(r.ppl)]
         if values and max(values) / min(values) > 4:  # an exploding baseline would flatten the others
             ax.set_yscale("log")
+            # Plain numbers (2, 3, 5, 10, 20, ...), not powers of ten, on a range of a few decades at most.
+            ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 3.0, 5.0, 7.0)))
+            ax.yaxis.set_major_formatter(ScalarFormatter())
+            ax.yaxis.set_minor_locator(NullLocator())
         if self.train_length:
             ax.axvline(self.train_length, color="0.4", linestyle=":", linewidth=1.2)
             ax.annotate(

@@ -247,7 +247,7 @@ def test_gguf_file_reaches_the_loader(command, model_dir, data_file, tmp_path, c
     calls = []
     load = models.load_model
 
-    def load_tiny(name, device, dtype, attn_implementation="sdpa", gguf_file=None):
+    def load_tiny(name, device, dtype, attn_implementation="sdpa", gguf_file=None, progress=True):
         calls.append((name, gguf_file))
         return load(str(model_dir), device, dtype, attn_implementation)
 
@@ -317,6 +317,7 @@ def test_compare_scores_re_computation_on_a_subsample_and_says_so(model_dir, dat
     tokens = {(r["variant"], r["length"]): r["tokens"] for r in saved["rows"]}
     assert tokens[("unpatched", 32)] == 64 and tokens[("re-computation (16; 1 token in 4)", 32)] == 16
     assert "on one token in 4 only (16 of the 64 tokens the other rows score at each length)" in out
+    assert "and 16 tokens are too few for a steady one" in out  # fewer than compare.FEW_TOKENS
     # Lengths within the trained length (64): logn would change nothing, and the output says it is left out.
     assert "note: logn left out: every length is within the trained length (64)" in out
     assert saved["train_length"] is None and saved["trained_length"] == 64
