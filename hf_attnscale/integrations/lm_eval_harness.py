@@ -17,6 +17,7 @@ Importing this module needs lm-eval (``pip install hf_attnscale[eval]``); ``impo
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Any
 
 import datasets
 import torch
+from accelerate import Accelerator
 from lm_eval.api.instance import Instance
 from lm_eval.api.registry import MODEL_REGISTRY, register_model
 from lm_eval.models.huggingface import HFLM
@@ -120,7 +122,13 @@ class HFAttnScaleLM(HFLM):
             AutoModelForMaskedLM if self.masked else AutoModelForCausalLM
         )
 
+        cpu_processes = _start_cpu_processes() if isinstance(pretrained, str) else None
         super().__init__(pretrained=pretrained, gguf_file=gguf_file, **kwargs)
+        if cpu_processes is not None:
+            # HFLM shares the documents across processes only when it counts more than one GPU; on CPU every
+            # process would score every document as rank 0. Each takes its share, and rank 0 gathers, as on GPUs.
+            self.accelerator = cpu_processes
+            self._rank, self._world_size = cpu_processes.process_index, cpu_processes.num_processes
 
         model = self.model
         if config is not None:
@@ -228,6 +236,16 @@ def builtin_dataset(
         ]
         names, texts = [n for n, _ in kept], [t for _, t in kept]
     return datasets.DatasetDict({"test": datasets.Dataset.from_dict({"name": names, "text": texts})})
+
+
+def _start_cpu_processes() -> Accelerator | None:
+    """Under ``accelerate launch`` (or torchrun) with several processes on a machine without a GPU: accelerate's
+    CPU process group (gloo), started before HFLM makes its own Accelerator, which would otherwise run each
+    process alone. None elsewhere."""
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2 or torch.accelerator.current_accelerator() is not None:
+        return None
+    accelerator = Accelerator(cpu=True)
+    return accelerator if accelerator.num_processes > 1 else None
 
 
 def register() -> None:

@@ -243,3 +243,43 @@ def test_an_encoder_is_scored_by_pseudo_likelihood(texts, manager, tmp_path):
     assert metrics["word_perplexity,none"] == pytest.approx(math.exp(total / word_count), rel=1e-4)
     with pytest.raises(ValueError, match="this model is a masked LM"):
         HFAttnScaleLM(pretrained=str(tmp_path / "bert"), window=16)
+
+
+def _lm_eval_samples(launcher: list[str], model_args: str, out: Path) -> tuple[dict[int, float], str]:
+    """Run the hf-attnscale model type through lm-eval's CLI under ``launcher``: each document's
+    log-likelihood, and the run's log."""
+    args = [
+        *("--model", "hf-attnscale", "--model_args", model_args, "--tasks", "hfa_stdlib_heldout_1k"),
+        *("--limit", "6", "--device", "cpu", "--output_path", str(out), "--log_samples"),
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [*launcher, "-m", "hf_attnscale.integrations.lm_eval_harness", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    (samples,) = out.rglob("samples_hfa_stdlib_heldout_1k_*.jsonl")
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    return {row["doc_id"]: float(row["resps"][0][0]) for row in rows}, proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("streamed", [False, True], ids=["dense", "streamed"])
+def test_two_processes_score_each_document_as_one_does(streamed, tmp_path):
+    # lm-eval's data parallelism: `accelerate launch` starts 2 CPU processes (gloo), each scores its share of
+    # the documents, and rank 0 gathers them. Every document's log-likelihood equals the one-process run. (lm-eval
+    # alone shares documents only over GPUs: on CPU both processes would score all of them, as rank 0.)
+    model_args = f"pretrained={default_model_path()},max_length=128,dtype=float32"
+    if streamed:
+        model_args += ",sink_tokens=4,window=60,chunk_size=32"
+    single, _ = _lm_eval_samples([sys.executable], model_args, tmp_path / "one")
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes=2"]
+    accelerate += ["--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no"]
+    double, log = _lm_eval_samples(accelerate, model_args, tmp_path / "two")
+    assert "hfa_stdlib_heldout_1k on rank 1" in log  # the second process took its own share
+    assert sorted(double) == sorted(single) == list(range(6))
+    for doc_id, value in single.items():
+        assert double[doc_id] == pytest.approx(value, abs=1e-4), doc_id
