@@ -76,9 +76,14 @@ def run(args: argparse.Namespace) -> int:
     options = given_patch(args)
     settings = _stream_settings(args)
     docs = documents(args.data, args.text_field)  # data errors are cheaper to find than a download
+    rank, world = _join_processes()
+    if rank:  # one table, one progress bar, one results.json: rank 0's
+        args.progress = False
     on = device(args)
     model, tokenizer, kind = load_model(args, on)
     measure = {"auto": "mlm" if kind == "masked" else "perplexity"}.get(args.measure, args.measure)
+    if measure == "mlm" and world > 1:
+        raise CommandError("The MLM measures run in one process; launch hf-attnscale eval without torchrun.")
     if measure == "perplexity" and kind == "masked":
         raise CommandError(
             f"{args.model} is a masked LM (an encoder): causal perplexity means nothing for it. Its measures "
@@ -108,8 +113,29 @@ def run(args: argparse.Namespace) -> int:
             variants,
             train_length=train_length,
             max_documents=args.max_documents,
+            on_variant=(lambda *_: None) if rank else None,
         )
+    if rank:
+        return 0
     return write_results(args, result, started, model=model_name(args), data=args.data, device=str(on))
+
+
+def _join_processes() -> tuple[int, int]:
+    """Under ``torchrun`` or ``accelerate launch`` (``WORLD_SIZE`` > 1), join the processes (gloo on CPU, NCCL
+    on GPUs, one GPU each): each reads its share of the documents, and the sums are added up
+    (`hf_attnscale.evaluation.sweep`). Returns ``(rank, world size)``; ``(0, 1)`` alone."""
+    import os
+
+    import torch
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world < 2:
+        return 0, 1
+    if not torch.distributed.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return torch.distributed.get_rank(), world
 
 
 def describe(options: dict[str, Any], sink_tokens: int, window: int | None) -> str:

@@ -123,16 +123,43 @@ def sweep(
     )
 
 
+def process_share() -> tuple[int, int]:
+    """``(rank, world size)`` of torch.distributed's default process group; ``(0, 1)`` without one."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _summed_across_processes(values: list[float]) -> list[float]:
+    """``values`` summed element-wise over the processes of the default group (unchanged without one)."""
+    if process_share()[1] == 1:
+        return values
+    on = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.distributed.get_backend() == "nccl"
+        else None
+    )
+    summed = torch.tensor(values, dtype=torch.float64, device=on)
+    torch.distributed.all_reduce(summed)
+    return summed.tolist()
+
+
 def _score_variant(model, variant, chosen, lengths, chunk_size, bos_id, progress) -> list[SweepRow]:
-    """One variant's rows: the token-weighted NLL of every segment of every document, at each length."""
+    """One variant's rows: the token-weighted NLL of every segment of every document, at each length.
+
+    Under a torch.distributed process group (``torchrun``) each process reads every ``world``-th document and
+    the sums are added up across processes: every process returns the rows of all the documents.
+    """
     longest = lengths[-1]
     nll_sum = dict.fromkeys(lengths, 0.0)
     counts = dict.fromkeys(lengths, 0)
-    total = len(chosen) * sum(longest - (0 if bos_id is not None else longest // n) for n in lengths)
+    rank, world = process_share()
+    share = chosen[rank::world]
+    total = len(share) * sum(longest - (0 if bos_id is not None else longest // n) for n in lengths)
     with tqdm(
         total=total, desc=variant.name, unit="tok", disable=None if progress is None else not progress
     ) as bar:
-        for _, ids in chosen:
+        for _, ids in share:
             for length in lengths:
                 for segment in ids.view(-1, length):
                     nll = segment_nll(
@@ -142,6 +169,9 @@ def _score_variant(model, variant, chosen, lengths, chunk_size, bos_id, progress
                     counts[length] += nll.numel()
                     bar.update(nll.numel())
             bar.set_postfix(ppl=f"{math.exp(nll_sum[longest] / counts[longest]):.2f}")
+    summed = _summed_across_processes([*nll_sum.values(), *counts.values()])
+    nll_sum = dict(zip(lengths, summed[: len(lengths)]))
+    counts = {n: int(c) for n, c in zip(lengths, summed[len(lengths) :])}
     return [
         SweepRow(
             variant.name, n, math.exp(nll_sum[n] / counts[n]), nll_sum[n] / counts[n], counts[n], len(chosen)

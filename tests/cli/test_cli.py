@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 from conftest import tiny_lm_with_tokenizer, tiny_mlm_with_tokenizer
@@ -362,3 +365,28 @@ def test_eval_refuses_an_encoder_saved_without_its_head(data_file, tmp_path, cap
     argv[2] = str(tmp_path / "mlm")
     code, _, err = run(capsys, *argv, "--no-progress", "--out", str(tmp_path / "o"))
     assert code == 0, err
+
+
+def test_eval_in_two_processes_prints_the_one_process_table(model_dir, data_file, tmp_path):
+    # torchrun starts 2 CPU processes (gloo): each reads every other document, the sums are added up, and rank
+    # 0 alone prints the table and writes results.json, equal to the one-process run.
+    argv = ["eval", "--model", str(model_dir), "--data", str(data_file), "--lengths", "16,32,64"]
+    argv += ["--sink-tokens", "2", "--window", "14", "--baseline", "--device", "cpu", "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    launchers = {
+        "one": [sys.executable, "-m", "hf_attnscale.cli"],
+        "two": [*torchrun, "-m", "hf_attnscale.cli"],
+    }
+    outputs = {}
+    for name, command in launchers.items():
+        out = str(tmp_path / name)
+        proc = subprocess.run(
+            [*command, *argv, "--out", out], capture_output=True, text=True, env=env, timeout=300
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outputs[name] = proc.stdout
+    one, two = (json.loads((tmp_path / name / "results.json").read_text()) for name in ("one", "two"))
+    assert [r["tokens"] for r in two["rows"]] == [r["tokens"] for r in one["rows"]]
+    assert [r["ppl"] for r in two["rows"]] == pytest.approx([r["ppl"] for r in one["rows"]], rel=1e-6)
+    assert outputs["two"].count("| sink+window (2+14) |") == 1  # one table, from rank 0
