@@ -283,3 +283,17 @@ def test_two_processes_score_each_document_as_one_does(streamed, tmp_path):
     assert sorted(double) == sorted(single) == list(range(6))
     for doc_id, value in single.items():
         assert double[doc_id] == pytest.approx(value, abs=1e-4), doc_id
+
+
+@pytest.mark.slow
+def test_parallelize_offloads_to_disk_and_scores_each_document_as_loaded_whole(tmp_path):
+    # parallelize=True is lm-eval's device_map="auto". Without GPUs it can only spread the model over the CPU
+    # and the disk: a CPU budget below the model's 16 MB sends layers to disk (accelerate's hooks).
+    model_args = f"pretrained={default_model_path()},max_length=128,dtype=float32,sink_tokens=4,window=60"
+    whole, _ = _lm_eval_samples([sys.executable], model_args, tmp_path / "whole")
+    offload = f"{model_args},parallelize=True,max_cpu_memory=6MB,offload_folder={tmp_path / 'offload'}"
+    split, log = _lm_eval_samples([sys.executable], offload, tmp_path / "split")
+    assert "offloaded to the disk" in log  # (read from the safetensors file in place: the folder stays empty)
+    assert sorted(split) == sorted(whole)
+    for doc_id, value in whole.items():
+        assert split[doc_id] == pytest.approx(value, abs=1e-4), doc_id
