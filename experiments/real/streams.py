@@ -15,6 +15,7 @@ import math
 from pathlib import Path
 
 import torch
+from matplotlib.ticker import LogLocator, NullLocator, ScalarFormatter
 from sections.figures import figure, save
 from sections.tables import markdown
 
@@ -189,6 +190,9 @@ def plot_nll_by_position(
         yscale="log",
         title=f"{SHORT_NAME[model]} on {text}: NLL by position",
     )
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_locator(NullLocator())
     ax.legend(fontsize=8, loc="upper left")
     save(fig, path)
 
