@@ -12,6 +12,7 @@ import functools
 import json
 from pathlib import Path
 
+from matplotlib.ticker import LogLocator, ScalarFormatter
 from sections.figures import figure, save
 from sections.tables import markdown
 
@@ -101,7 +102,8 @@ def plot_dense(
             label=label,
             ls="--" if "logn" in label else "-",
         )
-    ax.axvline(TRAINED_LENGTH[model], color="grey", ls=":", lw=0.8)
+    if sizes[0] <= TRAINED_LENGTH[model] <= sizes[-1]:
+        ax.axvline(TRAINED_LENGTH[model], color="grey", ls=":", lw=0.8)
     ax.set(
         xscale="log",
         yscale="log",
@@ -111,5 +113,7 @@ def plot_dense(
     )
     ax.set_xticks(sizes, [str(n) for n in sizes])
     ax.minorticks_off()
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
+    ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.legend(fontsize=8)
     save(fig, path)
