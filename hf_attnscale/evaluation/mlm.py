@@ -45,10 +45,6 @@ def _windows(
     return lengths, whole_windows(documents, lengths[-1])
 
 
-def _device(model: nn.Module) -> torch.device:
-    return run_device(model)
-
-
 @torch.no_grad()
 def masked_lm_accuracy(
     model: nn.Module,
@@ -83,7 +79,7 @@ def masked_lm_accuracy(
         correct = nll = 0.0
         for start in range(0, ids.shape[0], batch_size):
             rows, where = ids[start : start + batch_size], masked[start : start + batch_size]
-            inputs = rows.masked_fill(where, mask_token_id).to(_device(model))
+            inputs = rows.masked_fill(where, mask_token_id).to(run_device(model))
             logits = model(input_ids=inputs).logits.float().cpu()[where]
             targets = rows[where]
             correct += (logits.argmax(-1) == targets).sum().item()
@@ -154,7 +150,7 @@ def masked_one_at_a_time(
         arange = torch.arange(rows.shape[0])
         targets = rows[arange, index].clone()
         rows[arange, index] = mask_token_id
-        logits = model(input_ids=rows.to(_device(model))).logits.float().cpu()[arange, index]
+        logits = model(input_ids=rows.to(run_device(model))).logits.float().cpu()[arange, index]
         nll.append(nn.functional.cross_entropy(logits, targets, reduction="none"))
         correct.append(logits.argmax(-1) == targets)
     return torch.cat(nll), torch.cat(correct)

@@ -81,12 +81,17 @@ def load_default_model(
     return model.eval(), tokenizer
 
 
+CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")
+MASKED_HEADS = ("ForMaskedLM",)
+"""How the saved architectures of models with a causal or a masked language-model head end."""
+
+
 def has_lm_head(config: Any) -> bool:
     """Whether the saved model has its language-model head: False for a bare encoder saved as its base class
     (a sentence encoder such as all-MiniLM-L6-v2 is saved as ``BertModel``), whose head transformers would
     initialise at random. True when the config names no architecture."""
     architectures = getattr(config, "architectures", None) or []
-    heads = ("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForPreTraining", "ForConditionalGeneration")
+    heads = (*CAUSAL_HEADS, *MASKED_HEADS, "ForPreTraining", "ForConditionalGeneration")
     return not architectures or any(a.endswith(heads) for a in architectures)
 
 
@@ -97,9 +102,9 @@ def model_kind(config: Any) -> str:
     head for its type (BERT-like types have both: ``is_decoder`` decides). Raises ValueError for anything else.
     """
     architectures = getattr(config, "architectures", None) or []
-    if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
+    if any(a.endswith(CAUSAL_HEADS) for a in architectures):
         return "causal"
-    if any(a.endswith("ForMaskedLM") for a in architectures):
+    if any(a.endswith(MASKED_HEADS) for a in architectures):
         return "masked"
     causal = type(config) in MODEL_FOR_CAUSAL_LM_MAPPING
     masked = type(config) in MODEL_FOR_MASKED_LM_MAPPING

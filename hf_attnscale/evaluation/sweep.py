@@ -123,6 +123,16 @@ def sweep(
     )
 
 
+def _rows_from_sums(
+    name: str, nll_sum: dict[int, float], counts: dict[int, int], documents: int
+) -> list[SweepRow]:
+    """A `SweepRow` per length from the summed NLL and the count of scored tokens at each length."""
+    return [
+        SweepRow(name, n, math.exp(nll_sum[n] / counts[n]), nll_sum[n] / counts[n], counts[n], documents)
+        for n in nll_sum
+    ]
+
+
 def process_share() -> tuple[int, int]:
     """``(rank, world size)`` of torch.distributed's default process group; ``(0, 1)`` without one."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -172,12 +182,7 @@ def _score_variant(model, variant, chosen, lengths, chunk_size, bos_id, progress
     summed = _summed_across_processes([*nll_sum.values(), *counts.values()])
     nll_sum = dict(zip(lengths, summed[: len(lengths)]))
     counts = {n: int(c) for n, c in zip(lengths, summed[len(lengths) :])}
-    return [
-        SweepRow(
-            variant.name, n, math.exp(nll_sum[n] / counts[n]), nll_sum[n] / counts[n], counts[n], len(chosen)
-        )
-        for n in lengths
-    ]
+    return _rows_from_sums(variant.name, nll_sum, counts, len(chosen))
 
 
 def check_lengths(lengths: Sequence[int]) -> list[int]:
@@ -346,7 +351,4 @@ def recompute_rows(
                 counts[length] += 1
     if not all(counts.values()):
         raise ValueError(f"Re-computation on 1 token in {every} scores none at some length; score more.")
-    return [
-        SweepRow(name, n, math.exp(nll_sum[n] / counts[n]), nll_sum[n] / counts[n], counts[n], len(docs))
-        for n in lengths
-    ]
+    return _rows_from_sums(name, nll_sum, counts, len(docs))
