@@ -109,10 +109,8 @@ def run(context: Context) -> str:
     """The three fine-tuning runs, before and after."""
     if MODEL not in context.models:
         return f"(needs --models {MODEL})"
-    tokenizer = context.tokenizer(MODEL)
-    heldout_text = "\n\n".join(d.text for d in sorted(builtin_documents("heldout"), key=lambda d: d.name))
     steps, eval_tokens = (2, 2 * EVAL_WINDOW) if context.quick else (STEPS, EVAL_TOKENS)
-    heldout = torch.tensor(tokenizer(heldout_text).input_ids[:eval_tokens])
+    heldout = context.stream(MODEL, "stdlib", eval_tokens)  # the held-out split, as sections 1-3 read it
     results = {
         label: context.cells.get(
             f"finetune/{MODEL}/{label}/{steps}x{BATCH}x{LENGTH}/seed{SEED}/{eval_tokens}",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -95,8 +96,6 @@ def recompute_nll(context: Context, model: Lazy, text: str, cache: int) -> dict:
     ids = context.stream(model.name, text, context.stream_tokens)
 
     def compute() -> dict:
-        import time
-
         start = time.perf_counter()
         (row,) = recompute_rows(
             model(), "recompute", cache, [ids], [ids.numel()], every=every, chunk_size=cache
