@@ -287,7 +287,10 @@ def test_empty_weights_patch_before_loading_or_refuse_clearly(checkpoint, tmp_pa
 
 
 @pytest.mark.filterwarnings("ignore:for base_model.*copying from a non-meta parameter")  # PEFT's, on offload
-def test_an_adapter_loads_onto_an_offloaded_model_or_is_refused_clearly(checkpoint, tmp_path):
+def test_an_adapter_loads_onto_an_offloaded_model_or_is_refused_clearly(checkpoint, tmp_path, monkeypatch):
+    # PEFT rewrites the offloaded weights under a path it builds from the absolute one without its leading "/"
+    # (peft_model.py, os.path.join(*fname.split(os.sep))), so relative to the working directory: run it here.
+    monkeypatch.chdir(tmp_path)
     # PEFT dispatches an offloaded model again when it loads an adapter (given the device map: its default,
     # "auto", cannot place meta weights on a machine with only a CPU). It keeps LoRA's weights, but drops the
     # patch's: a learnable patch is then refused with what to do, not run on meta tensors.
