@@ -173,14 +173,16 @@ def model_class(model_type: str) -> type:
     return auto._model_mapping[AutoConfig.for_model(model_type).__class__]
 
 
-def tiny_config(model_type: str, attn: str = "sdpa"):
-    """``model_type``'s default config with `SMALL` and `OVERRIDES` applied (only fields it has)."""
+def tiny_config(model_type: str, attn: str = "sdpa", **overrides):
+    """``model_type``'s default config with `SMALL`, `OVERRIDES` and then ``overrides`` applied (only fields it
+    has, but for ``overrides``)."""
     defaults = AutoConfig.for_model(model_type).to_dict()
     sizes = {k: v for k, v in SMALL.items() if k in defaults}
     if "kv_lora_rank" in defaults:  # multi-head latent attention: RoPE covers only the rope part of a head
         sizes["head_dim"] = SMALL["qk_rope_head_dim"]
         sizes["num_key_value_heads"] = SMALL["num_attention_heads"]
     sizes.update(OVERRIDES.get(model_type, {}))
+    sizes.update(overrides)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = AutoConfig.for_model(model_type, **sizes)
@@ -216,9 +218,9 @@ def supports_sdpa(model_type: str) -> bool:
     return bool(getattr(model_class(model_type), "_supports_sdpa", False))
 
 
-def tiny_model(model_type: str, attn: str = "sdpa", seed: int = 0) -> torch.nn.Module:
-    """A tiny, sharp, eval-mode model of ``model_type`` with attention backend ``attn``."""
-    config = tiny_config(model_type, attn)
+def tiny_model(model_type: str, attn: str = "sdpa", seed: int = 0, **overrides) -> torch.nn.Module:
+    """A tiny, sharp, eval-mode model of ``model_type`` with attention backend ``attn`` (and config ``overrides``)."""
+    config = tiny_config(model_type, attn, **overrides)
     torch.manual_seed(seed)
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()

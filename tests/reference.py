@@ -6,9 +6,12 @@ appends the exit column, and takes a softmax. It shares no code with hf_attnscal
 
 from __future__ import annotations
 
+import inspect
 import math
+import sys
 
 import torch
+from transformers import DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.modeling_utils import AttentionInterface
 
@@ -176,3 +179,52 @@ def make_reference(model, attention_classes, **patch_kwargs):
             module.hfa_ref = ReferencePatch(heads=_query_heads(module, model.config), **patch_kwargs)
             refs.append(module.hfa_ref)
     return refs
+
+
+# ---------------------------------------------------------------------------------------------------------
+# StreamingLLM, by definition: the kept keys re-rotated into a plain cache at every step
+
+
+def rerotated_stream_logits(model, ids: torch.Tensor, sinks: int, window: int, rotates=None) -> torch.Tensor:
+    """Logits ``(T, V)`` of ``ids`` ``(1, T)`` streamed token by token as StreamingLLM defines it, with nothing of
+    a `SinkCache`.
+
+    Token ``t`` reads a fresh `DynamicCache` holding the tokens a ``SinkCache(sinks, window)`` keeps for it: the
+    first ``sinks`` and the ``window - 1`` before it, in order, each layer's stored key re-rotated from the position
+    it was computed at to its place ``0..n-1`` (RoPE composes: ``R(a) R(b) = R(a + b)``). The token sits at
+    position ``n``, and the model builds its own masks, so each sliding-window layer sees what the model lets it.
+    ``rotates(attention_module)`` says whether a layer applies RoPE (default: every layer does).
+    """
+    attentions = [layer.self_attn for layer in model.model.layers]
+    rotary = model.model.rotary_emb
+    stored: list[list[tuple[torch.Tensor, torch.Tensor, int]]] = [[] for _ in attentions]
+    logits = []
+    for t in range(ids.shape[1]):
+        kept = [j for j in range(t) if j < sinks or t - j < window]
+        cache = DynamicCache()
+        for layer, attention in enumerate(attentions):
+            if kept:
+                keys = [
+                    _moved(attention, rotary, stored[layer][j][0], place - stored[layer][j][2], rotates)
+                    for place, j in enumerate(kept)
+                ]
+                values = [stored[layer][j][1] for j in kept]
+                cache.update(torch.cat(keys, dim=2), torch.cat(values, dim=2), layer)
+        with torch.no_grad():
+            logits.append(model(input_ids=ids[:, t : t + 1], past_key_values=cache).logits[0, -1])
+        for layer in range(len(attentions)):
+            held = cache.layers[layer]
+            stored[layer].append((held.keys[:, :, -1:], held.values[:, :, -1:], len(kept)))
+    return torch.stack(logits)
+
+
+def _moved(attention, rotary, key: torch.Tensor, by: int, rotates) -> torch.Tensor:
+    """``key`` (rotated at some position) rotated ``by`` positions further, by the family's own RoPE."""
+    if by == 0 or (rotates is not None and not rotates(attention)):
+        return key
+    position = torch.tensor([[by]])
+    layer_type = getattr(attention, "layer_type", None)
+    takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
+    cos, sin = rotary(key, position, layer_type) if takes_type else rotary(key, position)
+    rope = sys.modules[type(attention).__module__].apply_rotary_pos_emb
+    return rope(key, key, cos, sin)[1]

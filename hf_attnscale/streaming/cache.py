@@ -22,14 +22,23 @@ from hf_attnscale.core.routing import cache_argument, forward_with_hooks, rotary
 from hf_attnscale.core.state import state_of
 from hf_attnscale.validation import check_int
 
-from .plan import AttentionMode, Rotations, SlotRecord, StepPlan, WriteMode, build_plan
+from .plan import (
+    AttentionMode,
+    LayerGeometry,
+    Rotations,
+    SlotRecord,
+    StepPlan,
+    WriteMode,
+    build_plan,
+    layer_geometry,
+)
 from .pos_shift import (
     UNPATCHED_MESSAGE,
-    check_sliding_window,
     check_streaming_backend,
     layer_rotates,
     new_token_validity,
     no_rotation,
+    own_sliding_window,
     per_token_slice,
     streaming_refusal,
 )
@@ -97,7 +106,8 @@ class SinkRotation:
 
 
 class SinkCacheLayer(CacheLayerMixin):
-    """One layer of a `SinkCache`: keys, values and the sinks' un-rotated keys, at most ``S + W`` slots.
+    """One layer of a `SinkCache`: keys, values and the sinks' un-rotated keys, at most ``geometry.capacity``
+    slots (``S + W``; a layer with a shorter sliding window of its own holds only that, see `LayerGeometry`).
 
     Slots ``0..S-1`` hold the sinks (rotated afresh for every call); the others hold window keys rotated at
     their index minus the row's base (see `hf_attnscale.streaming.plan`).
@@ -108,10 +118,9 @@ class SinkCacheLayer(CacheLayerMixin):
     is_croppable = False
     supports_early_init = False
 
-    def __init__(self, sink_tokens: int, window: int):
+    def __init__(self, geometry: LayerGeometry):
         super().__init__()
-        self.sink_tokens = sink_tokens
-        self.window = window
+        self.geometry = geometry
         self.slots: SlotRecord | None = None
         self.sink_keys: torch.Tensor | None = None  # (B, Hkv, S, D), before RoPE
         self._sink_rotation: SinkRotation | None = (
@@ -125,7 +134,7 @@ class SinkCacheLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, dim = key_states.shape
-        sinks = self.sink_tokens
+        sinks = self.geometry.sinks
         self.keys = key_states.new_zeros(batch, heads, sinks, dim)
         self.values = value_states.new_zeros(batch, value_states.shape[1], sinks, value_states.shape[-1])
         self.sink_keys = key_states.new_zeros(batch, heads, sinks, dim)
@@ -147,7 +156,7 @@ class SinkCacheLayer(CacheLayerMixin):
         plan, rope = write.plan, write.rope
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        sinks = self.sink_tokens
+        sinks = self.geometry.sinks
         rotations = plan.rotations(write.table)
         keys, values, sink_keys = self.keys, self.values, self.sink_keys
         if rotations.rebase is not None:  # the base moved: rotate the stored window keys back by the move
@@ -265,7 +274,9 @@ class _CallState:
     call reaches its first attention layer, so nothing of it outlives the call."""
 
     first_layer: int
-    plans: dict[int, StepPlan] = field(default_factory=dict)  # by tokens seen before them (prompt pieces)
+    plans: dict[tuple[LayerGeometry, int], StepPlan] = field(
+        default_factory=dict
+    )  # by the layers' geometry and the tokens seen before them (prompt pieces)
     validity: dict[int, tuple[Any, torch.Tensor, bool]] = field(default_factory=dict)  # by id(mask)
     pending: tuple[int, PendingWrite] | None = None  # (layer, its write) while a layer's forward runs
 
@@ -275,7 +286,9 @@ class _StreamMemo:
     """What a stream works out once and keeps: its RoPE tables, each module's rotation, the model it checked."""
 
     tables: dict[tuple, RopeTable] = field(default_factory=dict)
-    module_ropes: dict[tuple, tuple[nn.Module, RopeFn]] = field(default_factory=dict)  # the module held too
+    module_ropes: dict[tuple, tuple[nn.Module, RopeFn, LayerGeometry]] = field(
+        default_factory=dict
+    )  # the module held too
     checked_config: Any = None
 
 
@@ -324,14 +337,19 @@ class SinkCache(Cache):
 
     @property
     def capacity(self) -> int:
-        """The most tokens one layer ever holds: ``sink_tokens + window``."""
+        """The most tokens one layer ever holds: ``sink_tokens + window`` (a layer whose own sliding window is
+        shorter than ``window`` holds only its own window, see `hf_attnscale.streaming.plan`)."""
         return self.sink_tokens + self.window
 
-    def layer(self, layer_idx: int) -> SinkCacheLayer:
-        """The layer ``layer_idx``, created on first use."""
+    def layer(self, layer_idx: int, geometry: LayerGeometry | None = None) -> SinkCacheLayer:
+        """The layer ``layer_idx``, created on first use; ``geometry``: what that layer holds and reads (by
+        default, what a global layer does)."""
         while len(self.layers) <= layer_idx:
-            self.layers.append(SinkCacheLayer(self.sink_tokens, self.window))
-        return self.layers[layer_idx]
+            self.layers.append(SinkCacheLayer(geometry or LayerGeometry(self.sink_tokens, self.window)))
+        layer = self.layers[layer_idx]
+        if geometry is not None and layer.geometry != geometry and layer.slots is None:
+            self.layers[layer_idx] = layer = SinkCacheLayer(geometry)  # made before its module was first seen
+        return layer
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
@@ -369,7 +387,8 @@ class SinkCache(Cache):
             self._call = self._begin_call(module)  # a layer at or before the call's first: a new model call
         batch, q_len = hidden_states.shape[:2]
         new_valid, all_valid = self._new_validity(attention_mask, batch, q_len, hidden_states.device)
-        rope, table = self._module_rotation(module, hidden_states, position_embeddings, kwargs)
+        rope, table, geometry = self._module_rotation(module, hidden_states, position_embeddings, kwargs)
+        self.layer(module.layer_idx, geometry)
         outputs, weights = [], None
         pieces = q_len > PIECE_TOKENS
         for start in range(0, q_len, PIECE_TOKENS):
@@ -423,13 +442,13 @@ class SinkCache(Cache):
         hidden_states: torch.Tensor,
         position_embeddings: CosSin | None,
         kwargs: dict,
-    ) -> tuple[RopeFn, RopeTable]:
-        """The module's rotation (its family's RoPE, over its rotary dims, or none) and its RoPE table."""
+    ) -> tuple[RopeFn, RopeTable, LayerGeometry]:
+        """The module's rotation (its family's RoPE, over its rotary dims, or none), its RoPE table, and what its
+        layer holds and reads (its own sliding window applied to the cache)."""
         rotary, layer_type = rotary_of(module)
         table = self.rope_table(rotary, layer_type, hidden_states)
         key = (id(module), table)
         if key not in self._memo.module_ropes:
-            check_sliding_window(module, self.window)
             if position_embeddings is None:
                 q_len = hidden_states.shape[1]
                 position_embeddings = table(
@@ -444,8 +463,10 @@ class SinkCache(Cache):
             rotates = layer_rotates(module, hidden_states, position_embeddings, _identity(cos, sin), **kwargs)
             family_rope = sys.modules[type(module).__module__].apply_rotary_pos_emb
             rope = pair_rope(family_rope) if rotates else no_rotation
-            self._memo.module_ropes[key] = (module, first_dims_rope(rope, cos.shape[-1]))
-        return self._memo.module_ropes[key][1], table
+            geometry = layer_geometry(self.sink_tokens, self.window, own_sliding_window(module))
+            self._memo.module_ropes[key] = (module, first_dims_rope(rope, cos.shape[-1]), geometry)
+        _, rope, geometry = self._memo.module_ropes[key]
+        return rope, table, geometry
 
     def _run_piece(self, module: nn.Module, hidden_states: torch.Tensor, write: PendingWrite, kwargs: dict):
         """One call of the module's class forward, with ``write`` pending on its layer.
@@ -487,8 +508,9 @@ class SinkCache(Cache):
             dtype: the query dtype (of the mask).
             all_valid: whether ``new_valid`` is all True.
         """
-        slots = self.layer(layer_idx).slots
-        slots = slots or SlotRecord.empty(new_valid.shape[0], self.sink_tokens, new_valid.device)
+        layer = self.layer(layer_idx)
+        geometry = layer.geometry
+        slots = layer.slots or SlotRecord.empty(new_valid.shape[0], geometry.sinks, new_valid.device)
         if slots.real_tokens.shape[0] != new_valid.shape[0]:
             raise ValueError(
                 f"This SinkCache holds a batch of {slots.real_tokens.shape[0]} streams but got "
@@ -497,10 +519,10 @@ class SinkCache(Cache):
         # Writing into the cache in place would break autograd's saved tensors; it only pays off when decoding.
         in_place = not torch.is_grad_enabled()
         plans = self._call.plans
-        plan = plans.get(slots.seen)
+        plan = plans.get((geometry, slots.seen))
         if plan is None or not plan.matches(slots, new_valid, dtype, in_place):
-            plan = build_plan(slots, new_valid, self.sink_tokens, self.window, dtype, in_place, all_valid)
-            plans[slots.seen] = plan
+            plan = build_plan(slots, new_valid, geometry, dtype, in_place, all_valid)
+            plans[geometry, slots.seen] = plan
         return plan
 
 

@@ -16,6 +16,18 @@ rotated afresh into reserved slots ``0..S-1`` for each call, at the distance the
 * ``DOUBLED``: queries of one chunk see the sinks at different distances. The head dim is doubled: queries
   ``[R(a_q) q, R(m_q) q]`` with ``m_q = min(a_q, S + W - 1)``, window keys ``[R(a_k) k, 0]``, the sinks at their
   true distance in the reserved slots and once more as ``[0, R(i) k]``; the mask picks each query's copy.
+
+**Layers with a sliding window of their own** (Gemma-2/3's local layers, Mistral's, Cohere-2's) see what the
+model's own mask lets them see with the cache in place of the whole history: a query sits at position
+``m_q = min(a_q, S + W - 1)`` of the cache, and a layer with window ``w`` reads the keys less than ``w``
+positions before it. A window key keeps its true distance, so the layer reads the window keys nearer than
+``min(W, w)``; sink ``i`` sits at ``m_q - i``, so it reads the sinks nearer than ``w`` there. Each layer's
+`LayerGeometry` (`layer_geometry`) holds exactly that, and no more:
+
+* ``w >= S + W``: the layer sees everything a global layer sees, ``(S, W)``;
+* ``w <= W``: it sees no sink once the stream is past them, and its own last ``w`` tokens: a cache of
+  ``(0, w)``, whose memory is its own window;
+* in between: ``(S, W)``, with the sinks further than ``w`` hidden (``local = w``).
 """
 
 from __future__ import annotations
@@ -154,6 +166,31 @@ class StepPlan:
         return self._rotations[id(table)]
 
 
+@dataclass(frozen=True)
+class LayerGeometry:
+    """What one layer of a stream holds and reads: ``sinks`` reserved slots, a ``window`` of recent tokens, and
+    the layer's own sliding window where it hides some of the sinks (``local``; None: it hides none)."""
+
+    sinks: int
+    window: int
+    local: int | None = None
+
+    @property
+    def capacity(self) -> int:
+        """The most tokens the layer holds."""
+        return self.sinks + self.window
+
+
+def layer_geometry(sinks: int, window: int, own_window: int | None) -> LayerGeometry:
+    """The geometry of a layer whose own sliding window is ``own_window`` (None: a global layer), in a stream of
+    ``sinks`` sinks and a ``window`` (see the module docstring)."""
+    if own_window is None or own_window >= sinks + window:
+        return LayerGeometry(sinks, window)
+    if own_window <= window:
+        return LayerGeometry(0, own_window)
+    return LayerGeometry(sinks, window, local=own_window)
+
+
 # The rules. Each is written once, and works on Python ints (one row decoding on the CPU) and on tensors.
 
 
@@ -192,6 +229,12 @@ def _write_slot_of(index, first_free_window_slot, sinks: int):
     return index if is_sink else first_free_window_slot
 
 
+def _sink_distance(index, sink, capacity: int):
+    """Where the query of ``index`` sees sink ``sink``: at ``min(index, S + W - 1) - sink`` (its place in a cache
+    that holds the sinks and the query's window)."""
+    return index - _sink_shift(index, capacity) - sink
+
+
 def _clamp_min0(x):
     return x.clamp_min(0) if isinstance(x, torch.Tensor) else max(0, x)
 
@@ -202,22 +245,22 @@ def _clamp_min0(x):
 def build_plan(
     before: SlotRecord,
     new_valid: torch.Tensor,
-    sinks: int,
-    window: int,
+    geometry: LayerGeometry,
     dtype: torch.dtype,
     in_place: bool,
     all_valid: bool = False,
 ) -> StepPlan:
-    """Plan one call of ``new_valid.shape[1]`` new tokens (see the module docstring).
+    """Plan one call of ``new_valid.shape[1]`` new tokens for the layers of one geometry (see the module
+    docstring).
 
     ``all_valid`` says that no new token is padding (``new_valid`` is all True): decoding then takes a
-    shorter path to the same plan.
+    shorter path to the same plan (where the layer hides no sink: the short paths read every stored key).
     """
-    if all_valid and in_place and new_valid.shape[1] == 1:
+    sinks, window, capacity = geometry.sinks, geometry.window, geometry.capacity
+    if all_valid and in_place and new_valid.shape[1] == 1 and geometry.local is None:
         plan = _decode_plan(before, new_valid, sinks, window, dtype)
         if plan is not None:
             return plan
-    capacity = sinks + window
     new_index = (before.real_tokens[:, None] + new_valid.long().cumsum(1) - 1).masked_fill(~new_valid, -1)
     real_tokens = before.real_tokens + new_valid.sum(1)
     base, rebase = _new_base(before, real_tokens, capacity)
@@ -226,7 +269,7 @@ def build_plan(
     # Several queries reaching index S + W - 1 see the sinks at different shifts: one rotation cannot serve them.
     doubled = new_index.shape[1] > 1 and sinks > 0 and int(new_index.max()) >= capacity
     mode = AttentionMode.DOUBLED if doubled else AttentionMode.SINGLE
-    visible = _visibility(key_index, new_index, query_slot, sinks, window, mode)
+    visible = _visibility(key_index, new_index, query_slot, geometry, mode)
     sink_positions = torch.arange(sinks, device=new_valid.device)[None] - base[:, None]
     if mode is AttentionMode.SINGLE:
         sink_positions = sink_positions + _sink_shift(new_index, capacity).amax(1, keepdim=True)
@@ -411,20 +454,22 @@ def _visibility(
     key_index: torch.Tensor,
     new_index: torch.Tensor,
     query_slot: torch.Tensor,
-    sinks: int,
-    window: int,
+    geometry: LayerGeometry,
     mode: AttentionMode,
 ) -> torch.Tensor:
     """``(B, q, K)`` bool: which slots each query reads (DOUBLED: ``K + S``, the sinks' second copies last)."""
+    sinks = geometry.sinks
     a_q, a_k = new_index[:, :, None], key_index[:, None, :]
     real = (a_k >= 0) & (a_q >= 0)
     distance = a_q - a_k
-    in_window = real & (distance >= 0) & (distance < window)
-    is_sink_slot = torch.arange(key_index.shape[1], device=key_index.device) < sinks
+    in_window = real & (distance >= 0) & (distance < geometry.window)
+    sink = real[..., :sinks] & (distance[..., :sinks] >= 0)
+    if geometry.local is not None:  # the layer's own window hides the sinks it sees further than it
+        sink = sink & (_sink_distance(a_q, a_k[..., :sinks], geometry.capacity) < geometry.local)
     if mode is AttentionMode.SINGLE:
-        visible = in_window | (real & is_sink_slot & (distance >= 0))
+        visible = in_window | F.pad(sink, (0, key_index.shape[1] - sinks))
     else:  # reserved slots hold the sinks at their true distance; the copies, at their sink distance
-        copies = real[..., :sinks] & (distance[..., :sinks] >= window)
+        copies = sink & (distance[..., :sinks] >= geometry.window)
         visible = torch.cat([in_window, copies], dim=-1)
     # A padding query sees only itself: its output is discarded, but it must not be NaN (NaN * 0 = NaN later).
     own = torch.zeros_like(visible).scatter_(2, query_slot[:, :, None], (new_index < 0)[:, :, None])

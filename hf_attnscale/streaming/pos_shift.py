@@ -84,20 +84,16 @@ def check_streaming_backend(attn_implementation: str | None) -> None:
         )
 
 
-def check_sliding_window(module: nn.Module, window: int) -> None:
-    """Raise ValueError if the layer's own sliding window is shorter than the cache's (it was never trained)."""
-    # Qwen2/3 keep the window per layer (None on full-attention layers); Mistral and Phi-3 read the config.
+def own_sliding_window(module: nn.Module) -> int | None:
+    """The layer's own sliding window (its queries see themselves and the ``w - 1`` tokens before), or None."""
+    # Qwen2/3, Gemma-2/3 and Cohere-2 keep the window per layer (None on global layers); Mistral and Phi-3 read
+    # the config. 0 is no window (Qwen2-MoE keeps 0 on full layers).
     own = (
         module.sliding_window
         if hasattr(module, "sliding_window")
         else getattr(module.config, "sliding_window", None)
     )
-    if own and own < window:  # 0 or None: no window of its own (Qwen2-MoE keeps 0 on full layers)
-        raise ValueError(
-            f"This model's layer {module.layer_idx} uses sliding-window attention over {own} tokens, fewer than "
-            f"the SinkCache window ({window}); its queries would see keys it never saw in training. "
-            f"Use SinkCache(window <= {own})."
-        )
+    return own or None
 
 
 def no_rotation(q, k, cos, sin, *args, **kwargs):

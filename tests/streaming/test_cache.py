@@ -146,14 +146,6 @@ def test_non_rope_model_raises():
         model(torch.randint(2, SHARP_VOCAB, (1, 6)), past_key_values=hfa.SinkCache(2, 4), use_cache=True)
 
 
-def test_window_wider_than_models_sliding_window_raises():
-    model = hfa.patch(sharp_model("mistral", sliding_window=6))
-    ids = torch.randint(2, SHARP_VOCAB, (1, 6))
-    with pytest.raises(ValueError, match="sliding-window"):
-        model(ids, past_key_values=hfa.SinkCache(2, 7))
-    model(ids, past_key_values=hfa.SinkCache(2, 6))
-
-
 # ---------------------------------------------------------------------------------------------------------
 # The attention step against the definition
 

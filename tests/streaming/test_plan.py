@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from hf_attnscale.streaming.plan import SlotRecord, build_plan
+from hf_attnscale.streaming.plan import LayerGeometry, SlotRecord, build_plan
 from hf_attnscale.streaming.rope import RopeTable, rotate_keys, rotation_basis
 
 
@@ -33,16 +33,17 @@ def test_decoding_plan_equals_the_general_plan(sinks, window, batch):
     from the general plan."""
     generator = torch.Generator().manual_seed(sinks * 100 + window)
     slots = SlotRecord.empty(batch, sinks, torch.device("cpu"))
+    geometry = LayerGeometry(sinks, window)
     decoded = 0
     for step in range(6 * (sinks + window) + 20):
         if step % 17 == 0:  # a chunk with padding in some rows (appended, compacted)
             new_valid = torch.rand(batch, 5, generator=generator) > 0.3
             new_valid[:, -1] = True
-            plan = build_plan(slots, new_valid, sinks, window, torch.float32, in_place=False)
+            plan = build_plan(slots, new_valid, geometry, torch.float32, in_place=False)
         else:
             new_valid = torch.ones(batch, 1, dtype=torch.bool)
-            plan = build_plan(slots, new_valid, sinks, window, torch.float32, in_place=True)
-            fast = build_plan(slots, new_valid, sinks, window, torch.float32, in_place=True, all_valid=True)
+            plan = build_plan(slots, new_valid, geometry, torch.float32, in_place=True)
+            fast = build_plan(slots, new_valid, geometry, torch.float32, in_place=True, all_valid=True)
             general, short = _plan_fields(plan), _plan_fields(fast)
             assert general.keys() == short.keys()
             for name in general:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from model_zoo import EAGER_ONLY, family_types, head_of, tiny_model
+from transformers import AutoConfig
 
 import hf_attnscale as hfa
 from hf_attnscale.core.families import attention_modules, takes_position_embeddings
@@ -79,3 +80,37 @@ def _stream_continue(model, ids: torch.Tensor) -> torch.Tensor:
         return torch.cat(
             [model(input_ids=ids[:, t : t + 1], past_key_values=cache).logits for t in range(16, 24)], 1
         )
+
+
+LOCAL_WINDOW = 3
+
+
+def _has_sliding_window(model_type: str) -> bool:
+    return bool(AutoConfig.for_model(model_type).to_dict().get("sliding_window"))
+
+
+@pytest.mark.parametrize("model_type", [t for t in DECODERS if _has_sliding_window(t)])
+def test_streaming_every_decoder_with_local_layers(model_type):
+    """Every decoder whose config has a sliding window, narrowed to 3: while a SinkCache holds every token the
+    stream is the model's own forward (its local layers keep only their own window and must read it as the model
+    does; a family whose layers are all global, as dots1's default, must not get a window from the config), and
+    with eviction chunks equal token by token."""
+    attn = "eager" if model_type in EAGER_ONLY else "sdpa"
+    model = tiny_model(model_type, attn, sliding_window=LOCAL_WINDOW)
+    if not all(takes_position_embeddings(m) for m in attention_modules(model)):
+        pytest.skip("not a RoPE decoder: its attention takes no position_embeddings")
+    model = hfa.patch(model)
+    ids = torch.randint(3, 120, (1, 40), generator=torch.Generator().manual_seed(2))
+    try:
+        check_streaming_model(model)
+        _stream(model, ids[:, :4], hfa.SinkCache(2, 6), 4)
+    except ValueError as err:
+        assert "SinkCache" in str(err), err
+        pytest.skip(f"streaming refused: {err}")
+    with torch.no_grad():
+        dense = model(input_ids=ids[:, :24]).logits
+    streamed = _stream(model, ids[:, :24], hfa.SinkCache(4, 60), 5)
+    torch.testing.assert_close(streamed, dense, atol=1e-4, rtol=1e-4)
+    chunked = hfa.perplexity(model, ids[0], cache=hfa.SinkCache(2, 6), chunk_size=7, progress=False).nll
+    stepped = hfa.perplexity(model, ids[0], cache=hfa.SinkCache(2, 6), chunk_size=1, progress=False).nll
+    assert float((chunked - stepped).abs().max()) < 1e-4
