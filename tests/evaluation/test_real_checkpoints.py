@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import stream_logits, tiny_model
-from reference import make_reference
+from reference import make_reference, rerotated_stream_logits
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import hf_attnscale as hfa
@@ -217,6 +217,62 @@ def test_generate_with_a_sink_cache(decoders):
     generated = torch.stack(out.logits, dim=1)
     torch.testing.assert_close(generated, streamed[:, 23:], atol=STREAM_ATOL, rtol=0)
     assert all(layer.keys.shape[-2] <= SINKS + WINDOW for layer in cache.layers)
+
+
+def gemma3_with_local_window(checkpoints, window: int) -> torch.nn.Module:
+    """Gemma-3-270M (sdpa, patched) with its sliding layers' window set to ``window`` (512 is its own)."""
+    model = hfa.from_pretrained(AutoModelForCausalLM, str(checkpoints["gemma3-270m"])).eval()
+    model.config.sliding_window = window
+    for module in attention_modules(model):
+        if module.sliding_window is not None:
+            module.sliding_window = window
+    return hfa.patch(model)
+
+
+def test_gemma3_streams_past_its_local_window_as_defined(checkpoints, decoders):
+    """Gemma-3's window narrowed to 16 under a SinkCache(4, 28): token by token equals the definition (the kept
+    keys re-rotated into a plain cache, the model's own masks), chunks equal token by token, and the local layers
+    hold 16 keys, the global ones 32. The same run at the real 512 is `test_gemma3_streams_at_the_papers_caches`."""
+    model = gemma3_with_local_window(checkpoints, 16)
+    ids = text_ids(decoders["gemma3-270m"][1], 64)
+    cache = hfa.SinkCache(4, 28)
+    with torch.no_grad():
+        want = rerotated_stream_logits(model, ids, 4, 28)
+        one = stream_logits(model, ids, cache, [1])[0]
+        chunks = stream_logits(model, ids, hfa.SinkCache(4, 28), [5, 11, 16])[0]
+    torch.testing.assert_close(one, want, atol=STREAM_ATOL, rtol=0)
+    torch.testing.assert_close(chunks, one, atol=STREAM_ATOL, rtol=0)
+    held = [layer.keys.shape[-2] for layer in cache.layers]
+    local = [module.sliding_window is not None for module in attention_modules(model)]
+    assert {size for size, is_local in zip(held, local, strict=True) if is_local} == {16}
+    assert {size for size, is_local in zip(held, local, strict=True) if not is_local} == {32}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("window", [1020, 4092])
+def test_gemma3_streams_at_the_papers_caches(checkpoints, decoders, window):
+    """The real Gemma-3-270M (local window 512) under SinkCache(4, 1020) and (4, 4092) over 1,100 tokens: chunks
+    equal token by token, the local layers hold at most 512 keys; with (4, 4092), which evicts nothing from the
+    global layers, the stream is the model's own forward with its sliding masks."""
+    model = gemma3_with_local_window(checkpoints, 512)
+    ids = text_ids(decoders["gemma3-270m"][1], 1100)
+    assert ids.shape[1] == 1100
+    cache = hfa.SinkCache(4, window)
+    with torch.no_grad():
+        one = stream_logits(model, ids, cache, [1])
+        chunks = stream_logits(model, ids, hfa.SinkCache(4, window), [300, 1, 255, 544])
+    torch.testing.assert_close(chunks, one, atol=STREAM_ATOL, rtol=0)
+    held = {
+        module.sliding_window: layer.keys.shape[-2]
+        for module, layer in zip(attention_modules(model), cache.layers)
+    }
+    assert held[512] == 512 and held[None] <= 4 + window
+    if window == 4092:
+        with torch.no_grad():
+            dense = model(input_ids=ids).logits
+        # LOGIT_ATOL: the dense forward rotates in float32 at positions up to 1,100 (the cache in float64 at
+        # positions below 2 x its capacity); measured 1.8e-3 at most, at token 967.
+        torch.testing.assert_close(one, dense, atol=LOGIT_ATOL, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------------------
