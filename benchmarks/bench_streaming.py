@@ -19,6 +19,7 @@ On the CPU (the defaults):
     python benchmarks/bench_streaming.py memory       # peak RSS of a 64k-token stream vs an 8k one
     python benchmarks/bench_streaming.py latency      # generate() step time at 1k vs 16k, Sink vs Dynamic
     python benchmarks/bench_streaming.py quality      # the four methods on real text (shipped tiny model)
+    python benchmarks/bench_streaming.py local        # Gemma-3-270M at 4+2044 vs 4+508: local layers' memory
 
 Each prints a Markdown block for benchmarks/RESULTS.md. Threads: ``--threads`` (default 1, so that numbers
 are stable on a shared 2-core machine). Every ratio compares numbers measured in the same run.
@@ -361,17 +362,71 @@ def quality(args) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------
+def local(args) -> str:
+    """Gemma-3-270M (the real checkpoint; 15 of its 18 layers slide over 512 tokens) streaming a held-out text
+    through ``SinkCache(4, W)`` for each ``W`` of ``--windows``: tokens/s of the chunked path, and the bytes the
+    cache holds, against what it would hold if every layer kept the whole cache."""
+    from transformers import AutoTokenizer
+
+    from hf_attnscale.evaluation.corpus import long_documents
+
+    folder = hfa.fetch("gemma3-270m")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = hfa.patch(hfa.from_pretrained(AutoModelForCausalLM, str(folder)).eval()).to(args.device)
+    document = long_documents("heldout", args.tokens, tokenizer)[0]
+    ids = torch.tensor(tokenizer(document.text)["input_ids"][: args.tokens], device=args.device)
+    speed: dict[int, list[float]] = {w: [] for w in args.windows}
+    held: dict[int, tuple[list[int], int, float]] = {}
+    for run in range(args.repeats):  # the caches alternate within each repeat
+        for window in args.windows:
+            cache = hfa.SinkCache(SINKS, window)
+            result = hfa.perplexity(model, ids, cache=cache, chunk_size=args.chunk_size)
+            speed[window].append(result.tokens_per_second)
+            slots = [layer.keys.shape[-2] for layer in cache.layers]
+            tensors = [t for layer in cache.layers for t in (layer.keys, layer.values, layer.sink_keys)]
+            held[window] = (slots, sum(t.numel() * t.element_size() for t in tensors), result.ppl)
+            print(
+                f"run {run}, 4+{window}: {speed[window][-1]:.1f} tok/s, slots {sorted(set(slots))}",
+                flush=True,
+            )
+    lines = [
+        f"Gemma-3-270M (18 layers: 15 slide over 512 tokens, 3 are global; 1 KV head of 256), float32, on the "
+        f"first {ids.numel():,} tokens of the held-out `{document.name}`, chunks of {args.chunk_size}; median of "
+        f"{args.repeats} runs, the caches alternating. {environment(args)}.",
+        "",
+        "| cache | tokens/s | slots per global / local layer | cache held (MiB) | every layer holding the whole "
+        "cache (MiB) | perplexity |",
+        "|---|---|---|---|---|---|",
+    ]
+    for window in args.windows:
+        slots, nbytes, ppl = held[window]
+        whole = nbytes / sum(slots) * len(slots) * max(slots)
+        lines.append(
+            f"| `SinkCache(4, {window})` | {statistics.median(speed[window]):.1f} | {max(slots)} / {min(slots)} | "
+            f"{nbytes / 2**20:.1f} | {whole / 2**20:.1f} | {ppl:.3f} |"
+        )
+    first, last = args.windows[0], args.windows[-1]
+    ratio = statistics.median(speed[last]) / statistics.median(speed[first])
+    lines += [
+        "",
+        f"tokens/s at 4+{last} / 4+{first}: **{ratio:.3f}**; cache held: **{held[last][1] / held[first][1]:.2f}x** "
+        f"for a {(last + SINKS) / (first + SINKS):.0f}x larger cache.",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("throughput", "memory", "latency", "quality", "_memory_child"):
+    for name in ("throughput", "memory", "latency", "quality", "local", "_memory_child"):
         p = sub.add_parser(name)
         p.add_argument("--threads", type=int, default=1)
         p.add_argument("--chunk-size", type=int, default=512)
         p.add_argument("--device", default="cpu")
-        if name != "quality":  # quality reads the shipped model as it is
+        if name not in ("quality", "local"):  # they read real checkpoints as they are
             p.add_argument("--dtype", default="float32")
             p.add_argument("--shape", choices=["default", *SHAPES], default="default")
     sub.choices["throughput"].add_argument("--tokens", type=int, default=3072)
@@ -386,6 +441,9 @@ def main(argv: list[str] | None = None) -> None:
         help="also time the token-by-token reference (slow on long streams)",
     )
     sub.choices["quality"].add_argument("--tokens", type=int, default=2048)
+    sub.choices["local"].add_argument("--tokens", type=int, default=4096)
+    sub.choices["local"].add_argument("--windows", type=int, nargs="+", default=[508, 2044])
+    sub.choices["local"].add_argument("--repeats", type=int, default=3)
     sub.choices["quality"].add_argument("--documents", type=int, default=3)
     sub.choices["memory"].add_argument("--short", type=int, default=8192)
     sub.choices["memory"].add_argument("--long", type=int, default=65536)
@@ -401,7 +459,13 @@ def main(argv: list[str] | None = None) -> None:
         _memory_child(args)
         return
     start = time.perf_counter()
-    commands = {"throughput": throughput, "memory": memory, "latency": latency, "quality": quality}
+    commands = {
+        "throughput": throughput,
+        "memory": memory,
+        "latency": latency,
+        "quality": quality,
+        "local": local,
+    }
     report = commands[args.command](args)
     command = "python benchmarks/bench_streaming.py " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"\n### {args.command}\n\n`{command.strip()}` ({time.perf_counter() - start:.0f} s)\n\n{report}\n")

@@ -1,7 +1,9 @@
 """A plain, obviously correct eager implementation of every attention variant, for the tests.
 
 It materialises the scores, multiplies them by the law of n (n = visible keys counted from a dense mask),
-appends the exit column, and takes a softmax. It shares no code with hf_attnscale.
+appends the exit column, and takes a softmax. `rerotated_stream_logits` is StreamingLLM by definition: the
+kept keys re-rotated into a plain DynamicCache at every step, the model's own masks. It shares no code with
+hf_attnscale.
 """
 
 from __future__ import annotations

@@ -30,22 +30,12 @@ CACHES = (1024, 256)
 RECOMPUTE_EVERY = {1024: 128, 256: 32}
 """Re-computation scores one token in N (160 and 640 tokens of the 20,480): a model call of C tokens each."""
 SINK_COUNTS = (0, 1, 2, 4, 8)
-"""Section 2's sink counts, at a cache of `sink_cache` tokens in all."""
+"""Section 2's sink counts, at a cache of `SINK_CACHE` tokens in all."""
+SINK_CACHE = 1024
+"""Section 2's cache: the paper's 1024 tokens in all (Gemma-3's local layers keep their own 512 of it)."""
 SIZES = (256, 512, 1024, 2048, 4096)
 """Section 3's cache sizes: 4 sinks plus C - 4 recent tokens."""
 CHUNK = 512
-
-
-def sink_cache(model: str) -> int:
-    """Section 2's fixed cache: the paper's 1024, or Gemma-3's sliding window (512) until issue #31 lets a
-    SinkCache exceed it."""
-    return 512 if model.startswith("gemma") else 1024
-
-
-def allowed(model: str, cache: int) -> bool:
-    """Whether a SinkCache of ``cache`` tokens runs on ``model`` today: Gemma-3-270M's local layers slide over
-    512 tokens, and a larger cache is refused until issue #31 (per-layer windows in the cache)."""
-    return cache <= 512 if model.startswith("gemma") else cache <= TRAINED_LENGTH[model]
 
 
 class Lazy:
@@ -76,7 +66,7 @@ def stream_nll(context: Context, model: Lazy, text: str, sinks: int, window: int
 def newline_sinks_nll(context: Context, model: Lazy, text: str) -> torch.Tensor:
     """Table 2's control: the stream's first four tokens replaced by four newline tokens, kept as the sinks of
     ``SinkCache(4, C - 4)``."""
-    cache = sink_cache(model.name)
+    cache = SINK_CACHE
 
     def compute() -> torch.Tensor:
         ids = context.stream(model.name, text, context.stream_tokens).clone()
@@ -133,9 +123,6 @@ def run_streaming(context: Context) -> str:
             ]
             numbers = {"dense": ppl(dense)}
             for cache in CACHES:
-                if not allowed(name, cache):
-                    rows.append([f"C = {cache}: refused on this model (issue #31)", "-", "-", "-"])
-                    continue
                 every = RECOMPUTE_EVERY[cache]
                 methods = {f"window-only (0+{cache})": 0, f"StreamingLLM (4+{cache - 4})": 4}
                 for label, sinks in methods.items():
@@ -201,7 +188,7 @@ def run_sinks(context: Context) -> str:
     results, rows = {}, []
     for name in context.models:
         model = Lazy(context, name)
-        cache = sink_cache(name)
+        cache = SINK_CACHE
         for text in context.texts:
             numbers = {}
             for sinks in SINK_COUNTS:
@@ -220,7 +207,7 @@ def run_sinks(context: Context) -> str:
     ]
     note = (
         f"Perplexity over the stream's tokens 5..{context.stream_tokens} (the same tokens in every column), cache of "
-        "1024 tokens in all (512 on Gemma-3, whose local layers slide over 512 until issue #31)."
+        f"{SINK_CACHE} tokens in all (Gemma-3's local layers see their own last 512 of it)."
     )
     return markdown(header, rows) + "\n\n" + note
 
@@ -233,16 +220,9 @@ def run_caches(context: Context) -> str:
         for text in context.texts:
             numbers = {}
             for size in SIZES:
-                if allowed(name, size):
-                    numbers[f"4+{size - 4}"] = ppl(stream_nll(context, model, text, 4, size - 4))
+                numbers[f"4+{size - 4}"] = ppl(stream_nll(context, model, text, 4, size - 4))
             results[f"{name}/{text}"] = numbers
-            rows.append(
-                [
-                    SHORT_NAME[name],
-                    text,
-                    *[f"{numbers[f'4+{s - 4}']:.2f}" if f"4+{s - 4}" in numbers else "-" for s in SIZES],
-                ]
-            )
+            rows.append([SHORT_NAME[name], text, *[f"{v:.2f}" for v in numbers.values()]])
     (context.out / "caches.json").write_text(json.dumps(results, indent=1))
     plot_caches(results, context.out / "caches.png")
     return markdown(["model", "text", *[f"4+{s - 4}" for s in SIZES]], rows)
