@@ -309,6 +309,10 @@ class SinkCache(Cache):
     decoding raises (a sink cache cannot roll back). One model serves many streams at once, from several
     threads too: each stream needs a cache of its own, and everything a call needs lives in its cache.
 
+    On models with sliding-window layers (Gemma-2/3, Mistral, Cohere-2), each layer sees what its own mask lets
+    it see in the cache: a local layer of window ``w`` sees its last ``w`` tokens and keeps only those (see
+    `hf_attnscale.streaming.plan`), so any cache size works.
+
     Args:
         sink_tokens: number of initial tokens kept for good (StreamingLLM uses 4); 0 gives window attention.
         window: number of most recent tokens each query sees, itself included (at least 1).
