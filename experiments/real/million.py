@@ -4,8 +4,8 @@ SmolLM2 (trained at 8,192 tokens) reads the whole King James Bible (1,163,228 of
 in chunks of `CHUNK` tokens through one cache, as a server would. Every `BLOCK` tokens the section records the
 block's perplexity, the running perplexity, the tokens per second and the process's resident memory.
 
-The cache holds rotary state that cannot be pickled, so a stopped stream starts over; the records so far are
-written to ``<work>/million/`` as it goes.
+After every block the stream's state (the cache's `SinkCache.state_dict`, the records, the summed NLL) is written
+to ``<work>/million/``, and a stopped run continues from there exactly.
 """
 
 from __future__ import annotations
@@ -43,16 +43,22 @@ def resident_mb() -> float:
 
 @torch.no_grad()
 def stream(context: Context, text: str, tokens: int | None = None) -> list[dict]:
-    """Stream the text's first ``tokens`` tokens (None: all) through one cache; a record per `BLOCK` tokens."""
+    """Stream the text's first ``tokens`` tokens (None: all) through one cache; a record per `BLOCK` tokens. A
+    stopped stream continues from its last block."""
     ids = context.stream(MODEL, text)
     total = ids.numel() - 1 if tokens is None else min(tokens, ids.numel() - 1)
     model = hfa.patch(context.load(MODEL))
     cache = hfa.SinkCache(SINKS, WINDOW)
-    progress = context.work / "million" / f"{MODEL}-{text}-{total}.json"
-    progress.parent.mkdir(parents=True, exist_ok=True)
+    saved = context.work / "million" / f"{MODEL}-{text}-{total}.pt"
+    saved.parent.mkdir(parents=True, exist_ok=True)
     records, nll_sum = [], 0.0
-    with tqdm(total=total, desc="1M stream", unit="tok", mininterval=30) as bar:
-        for block_start in range(0, total, BLOCK):
+    if saved.exists():
+        state = torch.load(saved, weights_only=True)
+        cache.load_state_dict(state["cache"])
+        records, nll_sum = json.loads(state["records"]), float(state["nll_sum"])
+    done = records[-1]["tokens"] if records else 0
+    with tqdm(total=total, initial=done, desc="1M stream", unit="tok", mininterval=30) as bar:
+        for block_start in range(done, total, BLOCK):
             started, block_sum = time.perf_counter(), 0.0
             block_end = min(block_start + BLOCK, total)
             for start in range(block_start, block_end, CHUNK):
@@ -73,7 +79,9 @@ def stream(context: Context, text: str, tokens: int | None = None) -> list[dict]
                     "cached_tokens": cache.get_seq_length(),
                 }
             )
-            progress.write_text(json.dumps(records, indent=1))
+            state = {"cache": cache.state_dict(), "records": json.dumps(records), "nll_sum": nll_sum}
+            torch.save(state, saved.with_suffix(".tmp"))
+            saved.with_suffix(".tmp").replace(saved)  # never a half-written state
     return records
 
 

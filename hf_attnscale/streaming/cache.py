@@ -198,6 +198,24 @@ class SinkCacheLayer(CacheLayerMixin):
         self.keys = self.values = self.sink_keys = self.slots = self._sink_rotation = None
         self.is_initialized = False
 
+    def state_dict(self) -> dict[str, Any]:
+        """The layer's geometry, tensors and slot record, as tensors and plain values."""
+        geometry = self.geometry
+        state: dict[str, Any] = {"geometry": [geometry.sinks, geometry.window, geometry.local]}
+        if self.slots is not None:
+            state.update(keys=self.keys, values=self.values, sink_keys=self.sink_keys)
+            state.update(index=self.slots.index, real_tokens=self.slots.real_tokens, base=self.slots.base)
+            state["seen"] = self.slots.seen
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Hold what `state_dict` gave (the layer's geometry must match)."""
+        self.reset()
+        if "keys" in state:
+            self.keys, self.values, self.sink_keys = state["keys"], state["values"], state["sink_keys"]
+            self.slots = SlotRecord(state["index"], state["real_tokens"], state["base"], int(state["seen"]))
+            self.dtype, self.device, self.is_initialized = self.keys.dtype, self.keys.device, True
+
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError(
             "SinkCache cannot be cropped: evicted tokens are gone, so it cannot roll back. Assisted or "
@@ -369,6 +387,29 @@ class SinkCache(Cache):
     def reset(self) -> None:
         super().reset()
         self._call = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the stream holds, as tensors and plain values (``torch.save`` writes it; ``torch.load`` reads
+        it back with ``weights_only=True``). A fresh ``SinkCache`` of the same size given it by `load_state_dict`
+        continues the stream exactly: a server can keep a conversation on disk, a long run can resume."""
+        return {
+            "sink_tokens": self.sink_tokens,
+            "window": self.window,
+            "layers": [layer.state_dict() for layer in self.layers],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the stream `state_dict` saved, in place of whatever this cache held."""
+        if (state["sink_tokens"], state["window"]) != (self.sink_tokens, self.window):
+            raise ValueError(
+                f"This state is of a SinkCache({state['sink_tokens']}, {state['window']}); this cache is "
+                f"SinkCache({self.sink_tokens}, {self.window}). Load it into a cache of the same size."
+            )
+        self.reset()
+        self.layers = []
+        for index, layer_state in enumerate(state["layers"]):
+            sinks, window, local = layer_state["geometry"]
+            self.layer(index, LayerGeometry(sinks, window, local)).load_state_dict(layer_state)
 
     def attention_step(
         self,

@@ -236,6 +236,26 @@ def test_memory_is_bounded():
     assert cache.get_seq_length() == 200
 
 
+@pytest.mark.parametrize("overrides", [{}, {"sliding_window": 3}], ids=["global", "local layers"])
+def test_a_saved_stream_continues_exactly(tmp_path, overrides):
+    """A stream saved mid-way (torch.save of its state_dict, read back with weights_only=True) continues in a fresh
+    cache bitwise as the uninterrupted one, local layers (Mistral's window of 3: they hold 3 keys) included."""
+    model = hfa.patch(sharp_model("mistral" if overrides else "llama", **overrides))
+    ids = torch.randint(2, SHARP_VOCAB, (2, 50), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        whole = stream_logits(model, ids, hfa.SinkCache(2, 6), [7])
+        cache = hfa.SinkCache(2, 6)
+        first = stream_logits(model, ids[:, :21], cache, [7])
+        torch.save(cache.state_dict(), tmp_path / "stream.pt")
+        resumed = hfa.SinkCache(2, 6)
+        resumed.load_state_dict(torch.load(tmp_path / "stream.pt", weights_only=True))
+        rest = stream_logits(model, ids[:, 21:], resumed, [7])
+    assert torch.equal(torch.cat([first, rest], dim=1), whole)
+    assert resumed.get_seq_length() == 50
+    with pytest.raises(ValueError, match=r"SinkCache\(2, 6\).*same size"):
+        hfa.SinkCache(4, 6).load_state_dict(cache.state_dict())
+
+
 def test_copies_reset_and_repr():
     model = hfa.patch(sharp_model())
     ids = torch.randint(2, SHARP_VOCAB, (1, 40))
