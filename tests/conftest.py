@@ -200,6 +200,18 @@ def sharpen(model, generator: torch.Generator | None = None):
     return model
 
 
+BEAM_SEARCH = {
+    "num_beams": 3,
+    "num_return_sequences": 3,
+    "length_penalty": 0.0,
+    "do_sample": False,
+    "pad_token_id": 0,
+    "return_dict_in_generate": True,
+    "output_scores": True,
+}
+"""generate() arguments of a beam search whose every returned beam's score is its summed log-probability."""
+
+
 def stream_logits(model, ids: torch.Tensor, cache, chunks) -> torch.Tensor:
     """Logits of ``ids`` (B, T) fed through ``cache`` in pieces of the given sizes (cycled)."""
     out, start, i = [], 0, 0

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from conftest import DECODERS, SHARP_VOCAB, sharp_model, stream_logits, tiny_config
+from conftest import BEAM_SEARCH, DECODERS, SHARP_VOCAB, sharp_model, stream_logits, tiny_config
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import hf_attnscale as hfa
@@ -357,13 +357,7 @@ def test_beam_search_with_eviction_scores_its_own_beams():
         ids,
         past_key_values=cache,
         max_new_tokens=10,
-        num_beams=3,
-        num_return_sequences=3,
-        length_penalty=0.0,
-        do_sample=False,
-        pad_token_id=0,
-        return_dict_in_generate=True,
-        output_scores=True,
+        **BEAM_SEARCH,
     )
     for seq, score in zip(out.sequences, out.sequences_scores, strict=True):
         with torch.no_grad():

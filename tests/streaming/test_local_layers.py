@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SHARP_VOCAB, sharpen, stream_logits
+from conftest import BEAM_SEARCH, SHARP_VOCAB, sharpen, stream_logits
 from reference import rerotated_stream_logits
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -140,13 +140,7 @@ def test_beam_search_scores_its_own_beams_as_defined():
         prompt,
         past_key_values=hfa.SinkCache(SINKS, WINDOW),
         max_new_tokens=10,
-        num_beams=3,
-        num_return_sequences=3,
-        length_penalty=0.0,
-        do_sample=False,
-        pad_token_id=0,
-        return_dict_in_generate=True,
-        output_scores=True,
+        **BEAM_SEARCH,
     )
     for sequence, score in zip(out.sequences, out.sequences_scores, strict=True):
         logp = torch.log_softmax(rerotated_stream_logits(model, sequence[None], SINKS, WINDOW), -1)

@@ -18,9 +18,23 @@ from hf_attnscale.streaming.pos_shift import check_streaming_model
 DECODERS = [t for t in family_types() if head_of(t) == "causal"]
 
 
-def _rope_decoder(model_type: str):
-    model = tiny_model(model_type, "eager" if model_type in EAGER_ONLY else "sdpa")
-    return model if all(takes_position_embeddings(m) for m in attention_modules(model)) else None
+_IDS = torch.randint(3, 120, (1, 40), generator=torch.Generator().manual_seed(2))
+
+
+def _streaming_decoder(model_type: str, **overrides):
+    """The tiny ``model_type`` (config ``overrides``), patched; the test skips, saying why, unless it is a RoPE
+    decoder that a SinkCache streams (a refusal must name SinkCache)."""
+    model = tiny_model(model_type, "eager" if model_type in EAGER_ONLY else "sdpa", **overrides)
+    if not all(takes_position_embeddings(m) for m in attention_modules(model)):
+        pytest.skip("not a RoPE decoder: its attention takes no position_embeddings")
+    model = hfa.patch(model)
+    try:
+        check_streaming_model(model)
+        _stream(model, _IDS[:, :4], hfa.SinkCache(2, 6), 4)
+    except ValueError as err:  # refused: it must say why
+        assert "SinkCache" in str(err), err
+        pytest.skip(f"streaming refused: {err}")
+    return model
 
 
 def _stream(model, ids, cache, chunk: int) -> torch.Tensor:
@@ -33,17 +47,8 @@ def _stream(model, ids, cache, chunk: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("model_type", DECODERS)
 def test_streaming_every_rope_decoder(model_type):
-    model = _rope_decoder(model_type)
-    if model is None:
-        pytest.skip("not a RoPE decoder: its attention takes no position_embeddings")
-    model = hfa.patch(model)
-    ids = torch.randint(3, 120, (1, 40), generator=torch.Generator().manual_seed(2))
-    try:
-        check_streaming_model(model)
-        _stream(model, ids[:, :4], hfa.SinkCache(2, 6), 4)
-    except ValueError as err:  # refused: it must say why
-        assert "SinkCache" in str(err), err
-        pytest.skip(f"streaming refused: {err}")
+    model = _streaming_decoder(model_type)
+    ids = _IDS
     model.generation_config.eos_token_id = None  # generate() must not stop early at a random EOS
     # No eviction: the stream (prefill, then single tokens) is the model's own dense forward.
     with torch.no_grad():
@@ -95,18 +100,8 @@ def test_streaming_every_decoder_with_local_layers(model_type):
     stream is the model's own forward (its local layers keep only their own window and must read it as the model
     does; a family whose layers are all global, as dots1's default, must not get a window from the config), and
     with eviction chunks equal token by token."""
-    attn = "eager" if model_type in EAGER_ONLY else "sdpa"
-    model = tiny_model(model_type, attn, sliding_window=LOCAL_WINDOW)
-    if not all(takes_position_embeddings(m) for m in attention_modules(model)):
-        pytest.skip("not a RoPE decoder: its attention takes no position_embeddings")
-    model = hfa.patch(model)
-    ids = torch.randint(3, 120, (1, 40), generator=torch.Generator().manual_seed(2))
-    try:
-        check_streaming_model(model)
-        _stream(model, ids[:, :4], hfa.SinkCache(2, 6), 4)
-    except ValueError as err:
-        assert "SinkCache" in str(err), err
-        pytest.skip(f"streaming refused: {err}")
+    model = _streaming_decoder(model_type, sliding_window=LOCAL_WINDOW)
+    ids = _IDS
     with torch.no_grad():
         dense = model(input_ids=ids[:, :24]).logits
     streamed = _stream(model, ids[:, :24], hfa.SinkCache(4, 60), 5)
