@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from matplotlib.ticker import MaxNLocator
 from sections.figures import figure, save
 from sections.tables import markdown
 
@@ -136,4 +137,7 @@ def plot_outliers(results: dict[str, dict], model: str, path: Path) -> None:
     axes[1].set(xlabel="layer", ylabel="kurtosis of hidden state", yscale="log", title="kurtosis")
     axes[2].set(xlabel="layer", ylabel="max |hidden state|", yscale="log", title="largest activation")
     axes[1].legend(fontsize=8)
+    for ax in axes:  # layers and heads are whole numbers
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[0].yaxis.set_major_locator(MaxNLocator(integer=True))
     save(fig, path)
