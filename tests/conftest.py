@@ -200,6 +200,8 @@ def sharpen(model, generator: torch.Generator | None = None):
     return model
 
 
+GREEDY = {"do_sample": False, "pad_token_id": 0, "return_dict_in_generate": True, "output_logits": True}
+"""generate() arguments of a greedy search that returns each step's logits."""
 BEAM_SEARCH = {
     "num_beams": 3,
     "num_return_sequences": 3,

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from conftest import BEAM_SEARCH, DECODERS, SHARP_VOCAB, sharp_model, stream_logits, tiny_config
+from conftest import BEAM_SEARCH, DECODERS, GREEDY, SHARP_VOCAB, sharp_model, stream_logits, tiny_config
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import hf_attnscale as hfa
@@ -274,8 +274,6 @@ def test_copies_reset_and_repr():
 
 # ---------------------------------------------------------------------------------------------------------
 # generate()
-
-GREEDY = {"do_sample": False, "pad_token_id": 0, "return_dict_in_generate": True, "output_logits": True}
 
 
 def _generated_logits(out) -> torch.Tensor:

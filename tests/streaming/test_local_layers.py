@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import BEAM_SEARCH, SHARP_VOCAB, sharpen, stream_logits
+from conftest import BEAM_SEARCH, GREEDY, SHARP_VOCAB, sharpen, stream_logits
 from reference import rerotated_stream_logits
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -160,3 +160,28 @@ def test_beam_search_scores_its_own_beams_as_defined():
 )
 def test_layer_geometry(own, want):
     assert layer_geometry(4, 1020, own) == want
+
+
+@pytest.mark.parametrize("regime", ["inside", "between"])
+def test_left_padded_batch_over_two_turns_as_defined(regime):
+    """Each row of a left-padded batch, over two generate() calls sharing the cache, gets the logits of its own
+    stream by the definition: local layers count each row's own real tokens."""
+    model = local_model("gemma3_text", OWN_WINDOWS[regime])
+    lengths = [9, 20]
+    prompt, mask = torch.zeros(2, 20, dtype=torch.long), torch.zeros(2, 20, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        prompt[row, 20 - length :] = ids_of(length, seed=row + 5)[0]
+        mask[row, 20 - length :] = 1
+    cache = hfa.SinkCache(SINKS, WINDOW)
+    first = model.generate(prompt, attention_mask=mask, past_key_values=cache, max_new_tokens=7, **GREEDY)
+    turn = torch.cat([first.sequences, ids_of(5, seed=9).expand(2, -1)], dim=1)
+    turn_mask = torch.cat([mask, torch.ones(2, turn.shape[1] - 20, dtype=torch.long)], dim=1)
+    second = model.generate(turn, attention_mask=turn_mask, past_key_values=cache, max_new_tokens=6, **GREEDY)
+    for row, length in enumerate(lengths):
+        stream = second.sequences[row][turn_mask[row].bool().tolist() + [True] * 6]
+        want = rerotated_stream_logits(model, stream[None], SINKS, WINDOW)
+        got_first = torch.stack(first.logits, dim=1)[row]
+        got_second = torch.stack(second.logits, dim=1)[row]
+        turn_two = length + 7 + 5
+        torch.testing.assert_close(got_first, want[length - 1 : length + 6], atol=ATOL, rtol=0)
+        torch.testing.assert_close(got_second, want[turn_two - 1 : turn_two + 5], atol=ATOL, rtol=0)
