@@ -331,6 +331,9 @@ class SinkCache(Cache):
     it see in the cache: a local layer of window ``w`` sees its last ``w`` tokens and keeps only those (see
     `hf_attnscale.streaming.plan`), so any cache size works.
 
+    ``get_seq_length()`` counts the tokens streamed so far (what ``generate()`` expects), not the keys held; each
+    layer's ``keys`` hold at most `capacity` of them.
+
     Args:
         sink_tokens: number of initial tokens kept for good (StreamingLLM uses 4); 0 gives window attention.
         window: number of most recent tokens each query sees, itself included (at least 1).
