@@ -50,6 +50,9 @@ def test_every_section_writes_its_table_data_and_figure(real_models, tmp_path, c
     sinks = json.loads((out / "sinks.json").read_text())["smollm2-135m/stdlib"]
     assert list(sinks) == ["0+1024", "1+1023", "2+1022", "4+1020", "8+1016", "4 newlines+1020"]
     assert sinks["4+1020"] < sinks["0+1024"]  # even on 1,024 tokens the sinks matter on this model
+    (first_block,) = json.loads((out / "million.json").read_text())
+    # the control reads the stream's first block through a fresh cache, as the stream itself read it
+    assert first_block["fresh_cache_ppl"] == pytest.approx(first_block["block_ppl"], rel=1e-5)
     finetune = json.loads((out / "finetune.json").read_text())
     assert (
         finetune["LoRA + learnable sink"]["sink_logits"]

@@ -57,3 +57,15 @@ class Context:
         return self.cells.get(
             f"tokens/{model}/{text}/{tokens}", lambda: token_stream(self.tokenizer(model), text, tokens)
         )
+
+
+class Lazy:
+    """A model loaded (and given the identity patch that streaming needs) only if some cell is missing."""
+
+    def __init__(self, context: Context, name: str) -> None:
+        self.context, self.name, self._model = context, name, None
+
+    def __call__(self) -> torch.nn.Module:
+        if self._model is None:
+            self._model = hfa.patch(self.context.load(self.name))
+        return self._model

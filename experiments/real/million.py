@@ -4,12 +4,16 @@ SmolLM2 (trained at 8,192 tokens) reads the whole King James Bible (1,163,228 of
 in chunks of `CHUNK` tokens through one cache, as a server would. Every `BLOCK` tokens the section records the
 block's perplexity, the running perplexity, the tokens per second and the process's resident memory.
 
+The control reads every `CONTROL_EVERY`-th block again through a fresh ``SinkCache(4, 1020)`` that starts at
+the block: if the long stream had drifted, its perplexity on a block would exceed the fresh cache's there.
+
 After every block the stream's state (the cache's `SinkCache.state_dict`, the records, the summed NLL) is written
 to ``<work>/million/``, and a stopped run continues from there exactly.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -23,7 +27,7 @@ from tqdm.auto import tqdm
 
 import hf_attnscale as hfa
 
-from .context import SHORT_NAME, Context
+from .context import SHORT_NAME, Context, Lazy
 
 MODEL, TEXT = "smollm2-135m", "kjv"
 """The model and the text (the only one long enough for a million tokens; another text if kjv is not asked for)."""
@@ -31,6 +35,7 @@ SINKS, WINDOW = 4, 1020
 CHUNK = 512
 BLOCK = 16_384
 QUICK_TOKENS = 2 * CHUNK
+CONTROL_EVERY = 8
 
 
 def resident_mb() -> float:
@@ -85,8 +90,17 @@ def stream(context: Context, text: str, tokens: int | None = None) -> list[dict]
     return records
 
 
+def fresh_block_ppl(model: Lazy, ids: torch.Tensor, block: int, tokens: int) -> float:
+    """Perplexity of block ``block`` (the stream's targets in it) read through a fresh cache that starts there."""
+    start = block * BLOCK
+    stop = min(start + BLOCK, tokens)
+    cache = hfa.SinkCache(SINKS, WINDOW)
+    nll = hfa.perplexity(model(), ids[start : stop + 1], cache, chunk_size=CHUNK, progress=False).nll
+    return math.exp(nll.mean().item())
+
+
 def run(context: Context) -> str:
-    """The million-token stream: its table (at powers of two and the end) and figure."""
+    """The million-token stream, with its control on every `CONTROL_EVERY`-th block: table and figure."""
     if MODEL not in context.models:
         return f"(needs --models {MODEL})"
     text = TEXT if TEXT in context.texts else context.texts[0]
@@ -94,23 +108,34 @@ def run(context: Context) -> str:
         f"million/{MODEL}/{text}/{SINKS}+{WINDOW}" + ("/quick" if context.quick else ""),
         lambda: stream(context, text, QUICK_TOKENS if context.quick else None),
     )
+    tokens, model, ids = records[-1]["tokens"], Lazy(context, MODEL), context.stream(MODEL, text)
+    control = {
+        block: context.cells.get(
+            f"million-control/{MODEL}/{text}/{SINKS}+{WINDOW}/{tokens}/block{block}",
+            functools.partial(fresh_block_ppl, model, ids, block, tokens),
+        )
+        for block in sorted({*range(0, len(records), CONTROL_EVERY), len(records) - 1})
+    }
+    for block, ppl in control.items():
+        records[block]["fresh_cache_ppl"] = ppl
     (context.out / "million.json").write_text(json.dumps(records, indent=1))
     plot_million(records, context.out / "million.png")
-    shown = [r for r in records if r["tokens"] in {BLOCK * 2**k for k in range(8)}] + records[-1:]
     rows = [
         [
             f"{r['tokens']:,}",
             f"{r['block_ppl']:.2f}",
+            f"{r['fresh_cache_ppl']:.2f}",
             f"{r['running_ppl']:.2f}",
             f"{r['tokens_per_second']:.0f}",
             f"{r['resident_mb']:.0f}",
             r["cached_tokens"],
         ]
-        for r in shown
+        for r in (records[block] for block in control)
     ]
     header = [
         "tokens read",
         f"ppl of the last {BLOCK:,}",
+        "same tokens, a fresh cache",
         "running ppl",
         "tokens/s",
         "resident MB",
@@ -126,6 +151,8 @@ def plot_million(records: list[dict], path: Path) -> None:
     style = {"marker": "o", "ms": 2}
     axes[0].plot(x, [r["block_ppl"] for r in records], lw=0.8, label=f"per {BLOCK:,} tokens", **style)
     axes[0].plot(x, [r["running_ppl"] for r in records], lw=1.6, label="running", **style)
+    fresh = [(x, r["fresh_cache_ppl"]) for x, r in zip(x, records, strict=True) if "fresh_cache_ppl" in r]
+    axes[0].plot(*zip(*fresh, strict=True), "kx", ms=7, label="same block, a fresh cache")
     axes[0].set(ylabel="perplexity", title=f"{SHORT_NAME[MODEL]}, {SINKS}+{WINDOW}")
     axes[0].legend(fontsize=8)
     axes[1].plot(x, [r["tokens_per_second"] for r in records], **style)

@@ -23,7 +23,7 @@ from sections.tables import markdown
 import hf_attnscale as hfa
 from hf_attnscale.evaluation.sweep import recompute_rows
 
-from .context import SHORT_NAME, TRAINED_LENGTH, Context
+from .context import SHORT_NAME, TRAINED_LENGTH, Context, Lazy
 
 CACHES = (1024, 256)
 """Section 1's cache sizes C (the paper's 1024 and a small one), sinks included."""
@@ -36,18 +36,6 @@ SINK_CACHE = 1024
 SIZES = (256, 512, 1024, 2048, 4096)
 """Section 3's cache sizes: 4 sinks plus C - 4 recent tokens."""
 CHUNK = 512
-
-
-class Lazy:
-    """A model loaded (and given the identity patch that streaming needs) only if some cell is missing."""
-
-    def __init__(self, context: Context, name: str) -> None:
-        self.context, self.name, self._model = context, name, None
-
-    def __call__(self) -> torch.nn.Module:
-        if self._model is None:
-            self._model = hfa.patch(self.context.load(self.name))
-        return self._model
 
 
 def stream_nll(context: Context, model: Lazy, text: str, sinks: int, window: int | None) -> torch.Tensor:
