@@ -15,7 +15,7 @@ from transformers.modeling_utils import AttentionInterface
 import hf_attnscale as hfa
 from hf_attnscale.core import kernels, patching
 from hf_attnscale.core.attention import visible_key_counts
-from hf_attnscale.core.kernels import fused_exit_attention_cpu
+from hf_attnscale.core.kernels import fused_exit_attention
 
 
 @pytest.mark.parametrize(
@@ -148,7 +148,7 @@ def test_fused_cpu_exit_matches_reference_with_gqa(sink, causal):
     k = torch.randn(2, 2, 6, 8, requires_grad=True)
     v = torch.randn(2, 2, 6, 8, requires_grad=True)
     sinks = torch.full((4,), sink, requires_grad=True)
-    got = fused_exit_attention_cpu(q, k, v, None, sinks, causal, 0.3)
+    got = fused_exit_attention(q, k, v, None, sinks, causal, 0.3)
     visible = torch.ones(6, 6, dtype=torch.bool)
     visible = (visible.tril() if causal else visible).view(1, 1, 6, 6)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
@@ -170,7 +170,7 @@ def test_fused_cpu_exit_with_transposed_keys_and_a_per_head_float_mask():
     bias = torch.randn(2, 4, 6, 6)
     mask = bias.masked_fill(~visible, torch.finfo(torch.float32).min)
     sinks = torch.full((4,), 1.5)
-    got = fused_exit_attention_cpu(q, k, v, mask, sinks, True, 0.3)
+    got = fused_exit_attention(q, k, v, mask, sinks, True, 0.3)
     want = reference_attention(q, k, v, visible, 0.3, sink=sinks, bias=bias.masked_fill(~visible, 0.0))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 

@@ -26,9 +26,11 @@ from conftest import (
     stream_logits,
     tiny_model,
 )
+from reference import reference_attention
 from transformers.utils import is_flash_attn_2_available
 
 import hf_attnscale as hfa
+from hf_attnscale.core import kernels
 
 pytestmark = pytest.mark.gpu
 
@@ -189,3 +191,54 @@ def test_bf16_at_32k_tokens_is_finite(device, options):
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     assert logits.shape == (1, 32768, VOCAB) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_fused_exit_kernel_matches_reference(device, dtype, masked, monkeypatch):
+    """The exit through the fused kernel sdpa would pick, forward and backward, with GQA as it comes and a
+    length that is not a multiple of 32 (the memory-efficient kernel pads its log-sum-exp).
+
+    On CUDA that kernel is flash in bf16 without a mask and memory-efficient otherwise; on the CPU, sdpa's flash
+    kernel. A padded row's first queries see no key: the exit takes all of their attention. bf16 keeps 8
+    significant bits: the kernel rounds the probabilities and the output, each to 2^-9 of their size, so the
+    bound is 2^-7 of the largest output (and 2^-6 of the largest gradient), against fp32 on the same inputs.
+    """
+    ran = []
+    apply = kernels._ExitAttention.apply
+    monkeypatch.setattr(
+        kernels._ExitAttention, "apply", lambda kernel, *args: ran.append(kernel.name) or apply(kernel, *args)
+    )
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 37, 64, generator=generator) * 2
+    k, v = (torch.randn(2, 2, 37, 64, generator=generator) for _ in range(2))
+    sinks = torch.tensor([0.0, 1.5, -1.0, 3.0])
+    visible = torch.ones(37, 37, dtype=torch.bool).tril().expand(2, 1, 37, 37).clone()
+    if masked:
+        visible[1, :, :, :5] = False  # row 1 left-padded by 5
+    mask = visible if masked else None
+    inputs = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+    exit_logits = sinks.to(device).requires_grad_()
+    got = kernels.fused_exit_attention(
+        *inputs, None if mask is None else mask.to(device), exit_logits, True, 0.125
+    )
+    leaves = [t.detach().float().cpu().requires_grad_() for t in (*inputs, exit_logits)]
+    want = reference_attention(*leaves[:3], visible, 0.125, sink=leaves[3])
+    expected = {"cpu": "cpu flash"}.get(device.type)
+    if device.type == "cuda":
+        expected = "cuda flash" if dtype == torch.bfloat16 and not masked else "cuda memory-efficient"
+    assert ran == [expected]
+    grad = torch.randn(want.shape, generator=generator)
+    got.backward(grad.to(device, dtype))
+    want.backward(grad)
+    exact = dtype == torch.float32
+    torch.testing.assert_close(
+        got.float().cpu(), want, rtol=0, atol=1e-5 if exact else 2**-7 * want.abs().max().item()
+    )
+    assert masked <= bool((got[1, :, :5] == 0).all()), "a query that sees no key must give zero"
+    for mine, theirs in zip((*inputs, exit_logits), leaves, strict=True):
+        size = theirs.grad.abs().max().item()
+        atol = 1e-5 * size if exact else 2**-6 * size
+        torch.testing.assert_close(
+            mine.grad.float().cpu(), theirs.grad, rtol=0 if not exact else 1e-4, atol=atol
+        )

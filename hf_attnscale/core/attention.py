@@ -23,7 +23,7 @@ from torch import nn
 
 from .compat import create_position_bias_mask
 from .hooks import CallHooks
-from .kernels import fused_exit_attention_cpu
+from .kernels import fused_exit_attention
 from .laws import query_multiplier
 from .state import AttnScaleState
 
@@ -94,16 +94,12 @@ def _attend(backend, backend_fn, module, query, key, value, attention_mask, exit
             kwargs.pop("position_bias"), attention_mask, causal, query, key
         )
     dropout = kwargs.get("dropout", 0.0)
-    if (
-        backend == "sdpa"
-        and query.device.type == "cpu"
-        and dropout == 0.0
-        and key.shape[-1] == value.shape[-1]
-    ):
-        out = fused_exit_attention_cpu(
+    if backend == "sdpa" and dropout == 0.0 and key.shape[-1] == value.shape[-1]:
+        out = fused_exit_attention(
             query, key, value, attention_mask, exit_logits, causal, kwargs.get("scaling")
         )
-        return out.transpose(1, 2).contiguous(), None
+        if out is not None:
+            return out.transpose(1, 2).contiguous(), None
     return _extra_key_attention(
         backend_fn, module, query, key, value, attention_mask, exit_logits, causal, **kwargs
     )
