@@ -3,7 +3,8 @@
 SmolLM2 (trained at 8,192 tokens) reads the first `LENGTHS[-1]` tokens of a text in segments of 4k, 8k, 16k
 and 32k tokens, each from scratch (`hfa.sweep`'s definition), under: no change; ``logn`` (``max(1,
 log_8192 n)``); dynamic NTK and YaRN set through the config's ``rope_parameters`` (factor 4, the longest
-length over the trained one); and logn on top of each.
+length over the trained one); and logn on top of each. Dynamic NTK sets its frequencies from the segment's
+length, so its segments are read in one call each, as Qwen's evaluation reads them (`hfa.perplexity`).
 """
 
 from __future__ import annotations

@@ -29,6 +29,8 @@ from hf_attnscale.validation import check_int
 
 Method = Literal["stream", "dense", "recompute"]
 METHODS = ("stream", "dense", "recompute")
+LOSS_ROWS = 4096
+"""Rows of logits turned into NLL at a time (`_token_nll`)."""
 RECOMPUTE_TOKENS_PER_CALL = 8192
 """Windows re-encoded per call by ``"recompute"``, as a token budget (batching keeps it from being slower
 than it has to be; the work per token is still a full window)."""
@@ -86,7 +88,9 @@ def perplexity(
         cache: a fresh `SinkCache` for ``method="stream"`` (the default when given). ``SinkCache(0, W)`` is
             the window-only baseline.
         chunk_size: tokens per model call for "stream" and "dense" (1: the token-by-token reference; the
-            results agree to ~1e-6 nats in float32 whatever the chunk size).
+            results agree to ~1e-6 nats in float32 whatever the chunk size). A model whose RoPE rescales with
+            the length read (``rope_type`` dynamic NTK or LongRoPE) is read densely in one call, all T tokens,
+            as ``model(ids)`` reads it: in chunks, its early keys would keep the frequencies of a shorter read.
         method: "stream" (needs ``cache``), "dense" (default without a cache), or "recompute" (needs
             ``window``).
         window: tokens each re-encoded window holds for "recompute", the predicted token's context included.
@@ -119,6 +123,9 @@ def perplexity(
         run = lambda bar: _chunked(model, ids, cache, chunk_size, bar)  # noqa: E731
     elif cache is not None:
         raise ValueError(f"method={method!r} takes no cache.")
+    elif method == "dense" and rope_rescales_with_length(model):
+        details = {"chunk_size": None}  # the whole stream in one call, as one forward reads it
+        run = lambda bar: _one_call(model, ids, bar)  # noqa: E731
     elif method == "dense":
         details = {"chunk_size": chunk_size}
         run = lambda bar: _chunked(model, ids, DynamicCache(config=model.config), chunk_size, bar)  # noqa: E731
@@ -162,10 +169,43 @@ def _chunked(model: nn.Module, ids: torch.Tensor, cache, chunk_size: int, bar) -
     nll = torch.empty(total, dtype=torch.float32, device=ids.device)
     for start in range(0, total, chunk_size):
         stop = min(start + chunk_size, total)
-        logits = model(input_ids=ids[:, start:stop], past_key_values=cache, use_cache=True).logits
-        nll[start:stop] = F.cross_entropy(logits[0].float(), ids[0, start + 1 : stop + 1], reduction="none")
+        logits = model(input_ids=ids[:, start:stop], past_key_values=cache, use_cache=True).logits[0]
+        nll[start:stop] = _token_nll(logits, ids[0, start + 1 : stop + 1])
         bar.update(stop - start)
     return nll
+
+
+def _one_call(model: nn.Module, ids: torch.Tensor, bar) -> torch.Tensor:
+    """The whole stream in one forward, as ``model(ids)`` reads it; the last token's logits are not scored."""
+    logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
+    bar.update(logits.shape[0])
+    return _token_nll(logits, ids[0, 1:])
+
+
+def _token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-token NLL of ``targets`` under ``logits`` (T, V), a slice of `LOSS_ROWS` rows at a time: a long
+    call's log-softmax never holds more than that."""
+    return torch.cat(
+        [
+            F.cross_entropy(
+                logits[first : first + LOSS_ROWS].float(),
+                targets[first : first + LOSS_ROWS],
+                reduction="none",
+            )
+            for first in range(0, logits.shape[0], LOSS_ROWS)
+        ]
+    )
+
+
+def rope_rescales_with_length(model: nn.Module) -> bool:
+    """Whether a rotary embedding of ``model`` changes its frequencies with the length read so far (dynamic
+    NTK, LongRoPE): reading it in chunks through a cache then differs from reading it in one call."""
+    for module in model.modules():
+        rope_type = getattr(module, "rope_type", None)
+        for kind in rope_type.values() if isinstance(rope_type, dict) else [rope_type]:
+            if isinstance(kind, str) and ("dynamic" in kind or kind == "longrope"):
+                return True
+    return False
 
 
 def _recompute(model: nn.Module, ids: torch.Tensor, window: int, bar) -> torch.Tensor:

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import DECODERS, SHARP_VOCAB, sharp_model, tiny_model
+from transformers import DynamicCache
 
 import hf_attnscale as hfa
 
@@ -110,3 +111,30 @@ def test_sink_cache_on_an_encoder_raises():
     model = hfa.patch(tiny_model("bert"))
     with pytest.raises(ValueError, match="encoder"):
         hfa.perplexity(model, torch.randint(2, SHARP_VOCAB, (20,)), cache=hfa.SinkCache(2, 4), progress=False)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 100.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 100.0},
+    ],
+    ids=["dynamic NTK", "YaRN"],
+)
+def test_dense_equals_one_call_whatever_the_rope(rope):
+    """Dense perplexity is one forward over the stream. Dynamic NTK rescales its frequencies with the length
+    read, so in chunks through a cache its early keys would keep a shorter read's: such a model is read in one
+    call. YaRN's frequencies are fixed, so its chunks agree with one call."""
+    model = sharp_model("llama", max_position_embeddings=16, rope_parameters=rope)
+    ids = torch.randint(2, SHARP_VOCAB, (1, 96))
+    with torch.no_grad():
+        want = _nll(model(input_ids=ids).logits[0, :-1], ids[0, 1:])
+        cache, chunks = DynamicCache(config=model.config), []
+        for first in range(0, 95, 8):
+            logits = model(input_ids=ids[:, first : min(first + 8, 95)], past_key_values=cache).logits[0]
+            chunks.append(_nll(logits, ids[0, first + 1 : first + 1 + logits.shape[0]]))
+        chunked = torch.cat(chunks)
+    got = hfa.perplexity(model, ids, chunk_size=8, progress=False).nll
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    moved = (chunked - want).abs().max().item()
+    assert moved > 1e-2 if rope["rope_type"] == "dynamic" else moved < 1e-5
