@@ -81,7 +81,6 @@ def stream(context: Context, text: str, tokens: int | None = None) -> list[dict]
                     "running_ppl": math.exp(nll_sum / block_end),
                     "tokens_per_second": (block_end - block_start) / (time.perf_counter() - started),
                     "resident_mb": resident_mb(),
-                    "cached_tokens": cache.get_seq_length(),
                 }
             )
             state = {"cache": cache.state_dict(), "records": json.dumps(records), "nll_sum": nll_sum}
@@ -128,7 +127,6 @@ def run(context: Context) -> str:
             f"{r['running_ppl']:.2f}",
             f"{r['tokens_per_second']:.0f}",
             f"{r['resident_mb']:.0f}",
-            r["cached_tokens"],
         ]
         for r in (records[block] for block in control)
     ]
@@ -139,7 +137,6 @@ def run(context: Context) -> str:
         "running ppl",
         "tokens/s",
         "resident MB",
-        "cached tokens",
     ]
     return f"**{SHORT_NAME[MODEL]}, {text}, SinkCache({SINKS}, {WINDOW})**\n\n" + markdown(header, rows)
 
