@@ -9,7 +9,11 @@
 #
 # Each writes its log and JSON to $OUT (default ./gpu-out) and prints the device, torch and CUDA versions first.
 # The package runs from this checkout (PYTHONPATH); transformers, peft and accelerate are the machine's own.
-# Packages the machine lacks (lm-eval and its needs) travel as wheels in .whl (see the device tool's README).
+# Packages the machine lacks (lm-eval and its needs, gguf) travel as wheels in .whl, ignored by git and carried
+# with the call: `pip download --no-deps --only-binary=:all: --python-version 3.12 ...` for lm_eval, datasets,
+# evaluate, dill, multiprocess, more-itertools, pytablewriter and its five helpers, chardet, nltk and gguf, at the
+# versions of a local `pip install -e ".[all]"`; `pip wheel --no-deps` for rouge_score, sqlitedict and
+# word2number, which come as source only.
 set -euo pipefail
 stage=${1:-}
 case $stage in tests | overhead | streaming | training | lmeval) ;; *)
