@@ -93,28 +93,38 @@ def perplexities(
 def plot_dense(
     table: dict[str, dict[int, float]], model: str, text: str, sizes: tuple[int, ...], path: Path
 ) -> None:
-    """Perplexity against segment length, one line per variant; the trained length marked."""
-    fig, (ax,) = figure(1, width=6.5, height=4.2)
+    """Perplexity against segment length, a colour per RoPE and a dashed line for logn on it; the trained length
+    marked. The right panel zooms in on the variants that hold."""
+    fig, axes = figure(2, width=5.2, height=4.2)
+    colours = {}
     for label, by_length in table.items():
-        ax.plot(
-            list(by_length),
-            list(by_length.values()),
-            marker="o",
-            label=label,
-            ls="--" if "logn" in label else "-",
-        )
-    if sizes[0] <= TRAINED_LENGTH[model] <= sizes[-1]:
-        ax.axvline(TRAINED_LENGTH[model], color="grey", ls=":", lw=0.8)
-    ax.set(
-        xscale="log",
-        yscale="log",
-        xlabel="segment length (tokens)",
-        ylabel="perplexity",
-        title=f"{SHORT_NAME[model]} on {text}: dense past the trained length",
-    )
-    ax.set_xticks(sizes, [str(n) for n in sizes])
-    ax.minorticks_off()
-    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
-    ax.yaxis.set_major_formatter(ScalarFormatter())
-    ax.legend(fontsize=8)
+        rope = label.removesuffix(" + logn")
+        colour = colours.setdefault(rope, f"C{len(colours)}")
+        for ax in axes:
+            ax.plot(
+                list(by_length),
+                list(by_length.values()),
+                marker="o",
+                color=colour,
+                label=label,
+                ls="--" if label.endswith("logn") else "-",
+            )
+    held = [
+        v
+        for by_length in table.values()
+        if max(by_length.values()) < 3 * min(by_length.values())
+        for v in by_length.values()
+    ]
+    for ax in axes:
+        if sizes[0] <= TRAINED_LENGTH[model] <= sizes[-1]:
+            ax.axvline(TRAINED_LENGTH[model], color="grey", ls=":", lw=0.8)
+        ax.set(xscale="log", xlabel="segment length (tokens)", ylabel="perplexity")
+        ax.set_xticks(sizes, [str(n) for n in sizes])
+        ax.minorticks_off()
+    axes[0].set(yscale="log", title=f"{SHORT_NAME[model]} on {text}: dense past the trained length")
+    axes[0].yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
+    axes[0].yaxis.set_major_formatter(ScalarFormatter())
+    axes[0].legend(fontsize=8)
+    if held:
+        axes[1].set(ylim=(min(held) * 0.97, max(held) * 1.03), title="zoomed: the variants that hold")
     save(fig, path)
