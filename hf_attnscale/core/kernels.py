@@ -137,6 +137,8 @@ def fused_exit_attention(
 ) -> torch.Tensor | None:
     """Attention with an exit column, through the fused kernel sdpa would pick, without a materialised
     causal mask. Returns ``(B, H, Tq, D)``, or None where no kernel with a log-sum-exp applies."""
+    if query.device.type not in ("cpu", "cuda"):
+        return None
     q_len, k_len = query.shape[2], key.shape[2]
     is_causal = causal and mask is None and q_len > 1
     if is_causal and k_len > q_len:  # sdpa's top-left convention, as transformers' sdpa wrapper does
@@ -153,12 +155,10 @@ def fused_exit_attention(
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     if query.device.type == "cpu":
         kernel = CPU_FLASH
-    elif query.device.type == "cuda":
+    else:
         kernel, key, value, mask = _cuda_kernel(query, key, value, mask, is_causal)
         if kernel is None:
             return None
-    else:
-        return None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     # The kernels take the projections' strided (B, T, H, D) layout as is and return that layout, so the
     # caller's transpose back to (B, T, H, D) copies nothing.

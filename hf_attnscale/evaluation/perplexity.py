@@ -25,6 +25,7 @@ from transformers import DynamicCache
 from hf_attnscale.core.offload import run_device
 from hf_attnscale.streaming.cache import SinkCache
 from hf_attnscale.streaming.pos_shift import check_streaming_model
+from hf_attnscale.streaming.rope import rope_rescales_with_length
 from hf_attnscale.validation import check_int
 
 Method = Literal["stream", "dense", "recompute"]
@@ -195,17 +196,6 @@ def _token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             for first in range(0, logits.shape[0], LOSS_ROWS)
         ]
     )
-
-
-def rope_rescales_with_length(model: nn.Module) -> bool:
-    """Whether a rotary embedding of ``model`` changes its frequencies with the length read so far (dynamic
-    NTK, LongRoPE): reading it in chunks through a cache then differs from reading it in one call."""
-    for module in model.modules():
-        rope_type = getattr(module, "rope_type", None)
-        for kind in rope_type.values() if isinstance(rope_type, dict) else [rope_type]:
-            if isinstance(kind, str) and ("dynamic" in kind or kind == "longrope"):
-                return True
-    return False
 
 
 def _recompute(model: nn.Module, ids: torch.Tensor, window: int, bar) -> torch.Tensor:

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch import nn
 
-LENGTH_DEPENDENT = ("dynamic", "longrope")
 LAYOUT_CHECK_POSITIONS = 16
 _BUILDING = threading.Lock()
 
@@ -26,6 +25,18 @@ _BUILDING = threading.Lock()
 def _rope_types(rotary: nn.Module) -> list[str]:
     kind = getattr(rotary, "rope_type", "default")
     return list(kind.values()) if isinstance(kind, dict) else [str(kind)]
+
+
+def _length_dependent(rotary: nn.Module) -> bool:
+    """Whether ``rotary`` changes its frequencies with the length of the call: transformers' own rule
+    (``dynamic_rope_update``), dynamic NTK and LongRoPE."""
+    return any("dynamic" in kind or kind == "longrope" for kind in _rope_types(rotary))
+
+
+def rope_rescales_with_length(model: nn.Module) -> bool:
+    """Whether a rotary embedding of ``model`` changes its frequencies with the length read: reading it in
+    chunks through a cache then differs from reading it in one call."""
+    return any(_length_dependent(m) for m in model.modules() if hasattr(m, "rope_type"))
 
 
 class RopeTable:
@@ -59,7 +70,7 @@ class RopeTable:
             got.shape == want.shape and torch.allclose(got.float(), want.float(), atol=1e-5)
             for got, want in zip(computed, wanted)
         )
-        if not self.exact and any(kind in LENGTH_DEPENDENT for kind in _rope_types(rotary)):
+        if not self.exact and _length_dependent(rotary):
             raise ValueError(
                 f"SinkCache cannot fix the frequencies of this model's {_rope_types(rotary)} RoPE "
                 f"({type(rotary).__name__} does not compute cos/sin from inv_freq in the usual layout), so its "
