@@ -25,6 +25,8 @@ from .families import Rotary
 from .hooks import HOOKS_KWARG, CallHooks, ambient_hooks, using_hooks
 
 ATTENTION_STEP = "attention_step"
+CACHE_ARGUMENTS = ("past_key_values", "cache", "layer_past")
+"""The names attention forwards take the cache under, across the transformers versions supported."""
 ROTARY_ATTR = "_hfa_rotary"
 """Per-instance attribute where the patch records the rotary embedding feeding a RoPE attention module."""
 
@@ -35,14 +37,10 @@ def _signature(function) -> inspect.Signature:
 
 
 def cache_argument(module: nn.Module) -> str:
-    """The name under which ``module``'s forward takes the cache: ``past_key_values``, or GPT-NeoX's
-    ``layer_past``."""
+    """The name under which ``module``'s forward takes the cache: ``past_key_values`` (transformers < 5.24),
+    ``cache`` (5.24 on) or GPT-NeoX's ``layer_past``; ``past_key_values`` when the forward names none."""
     parameters = _signature(type(module).forward).parameters
-    return (
-        "layer_past"
-        if "layer_past" in parameters and "past_key_values" not in parameters
-        else "past_key_values"
-    )
+    return next((name for name in CACHE_ARGUMENTS if name in parameters), CACHE_ARGUMENTS[0])
 
 
 def cache_routed_forward(self: nn.Module, *args, **kwargs):
@@ -52,14 +50,15 @@ def cache_routed_forward(self: nn.Module, *args, **kwargs):
         bound.arguments.pop("self")
         extra = bound.arguments.pop("kwargs", {})
         args, kwargs = (), {**bound.arguments, **extra}
-    name = cache_argument(self)
-    step = getattr(kwargs.get(name), ATTENTION_STEP, None)
-    if step is None:
+    names = [n for n in CACHE_ARGUMENTS if hasattr(kwargs.get(n), ATTENTION_STEP)]
+    if not names:
         return type(self).forward(self, *args, **kwargs)
     if args:
         kwargs["hidden_states"] = args[0]
-    kwargs["past_key_values"] = kwargs.pop(name)
-    return step(self, **kwargs)
+    cache = kwargs[names[0]]
+    for name in names:  # some families pass it under two names
+        del kwargs[name]
+    return getattr(cache, ATTENTION_STEP)(self, past_key_values=cache, **kwargs)
 
 
 def rotary_of(module: nn.Module) -> Rotary | None:
