@@ -29,11 +29,14 @@ def roformer_self_attention_forward(
     attention_mask=None,
     sinusoidal_pos=None,
     encoder_hidden_states=None,
-    past_key_values=None,
+    cache=None,
     output_attentions=False,
+    past_key_values=None,
     **kwargs,
 ):
-    """Patched `RoFormerSelfAttention.forward` (self-attention; cross-attention runs unpatched)."""
+    """Patched `RoFormerSelfAttention.forward` (self-attention; cross-attention runs unpatched). The cache comes
+    as ``cache`` from transformers 5.24 on, as ``past_key_values`` before."""
+    cache = cache if cache is not None else past_key_values
     if encoder_hidden_states is not None:
         return type(self).forward(
             self,
@@ -41,7 +44,7 @@ def roformer_self_attention_forward(
             attention_mask,
             sinusoidal_pos,
             encoder_hidden_states,
-            past_key_values,
+            cache,
             output_attentions,
             **kwargs,
         )
@@ -55,8 +58,8 @@ def roformer_self_attention_forward(
         )
         query, key = rotated[0], rotated[1]
         value = rotated[2] if self.rotary_value else value
-    if past_key_values is not None:
-        cache = getattr(past_key_values, "self_attention_cache", past_key_values)
+    if cache is not None:
+        cache = getattr(cache, "self_attention_cache", cache)
         key, value = cache.update(key, value, self.layer_idx)
     out, probs = scaled_attention(
         state_of(self),

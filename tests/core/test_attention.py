@@ -218,3 +218,23 @@ def test_scaled_long_context_matches_reference_at_4k():
         torch.testing.assert_close(
             patched(input_ids=ids).logits, reference(input_ids=ids).logits, atol=1e-5, rtol=1e-5
         )
+
+
+def test_roformer_decoder_reads_through_its_cache():
+    """A patched RoFormer decoder, fed one token at a time through a cache, gives one forward's logits: the
+    patched forward takes the cache under either name transformers has passed it by."""
+    from model_zoo import sharpen, tiny_config
+    from transformers import DynamicCache, RoFormerForCausalLM
+
+    config = tiny_config("roformer", "eager", is_decoder=True)
+    torch.manual_seed(0)
+    model = sharpen(RoFormerForCausalLM._from_config(config, attn_implementation="eager")).eval()
+    hfa.patch(model, **FEATURES["logn+zero_kv"])
+    ids = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
+    cache = DynamicCache(config=config)
+    with torch.no_grad():
+        whole = model(input_ids=ids).logits
+        steps = [
+            model(input_ids=ids[:, i : i + 1], past_key_values=cache).logits for i in range(ids.shape[1])
+        ]
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, atol=1e-5, rtol=1e-5)
