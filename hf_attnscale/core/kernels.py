@@ -139,6 +139,9 @@ def fused_exit_attention(
     causal mask. Returns ``(B, H, Tq, D)``, or None where no kernel with a log-sum-exp applies."""
     if query.device.type not in ("cpu", "cuda"):
         return None
+    if torch.is_autocast_enabled(query.device.type):  # cast as sdpa does under autocast; raw kernels do not
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
     q_len, k_len = query.shape[2], key.shape[2]
     is_causal = causal and mask is None and q_len > 1
     if is_causal and k_len > q_len:  # sdpa's top-left convention, as transformers' sdpa wrapper does
