@@ -54,6 +54,7 @@ SMALL = {
     "n_head": 4,
     "num_key_value_heads": 2,
     "head_dim": 16,
+    "rotary_dim": 8,  # GPT-J / CodeGen: half of a head (64 / 4), rotated
     "max_position_embeddings": 256,
     "n_positions": 256,
     "moe_intermediate_size": 32,
@@ -133,6 +134,13 @@ OVERRIDES: dict[str, dict] = {
         },
     },
     "dots1": {"n_shared_experts": 1},
+    "dory": {  # a looped middle: one input, one recurrent (run twice) and one output layer
+        "num_hidden_layers": 3,
+        "n_input_layers": 1,
+        "n_recurrent_layers": 1,
+        "n_output_layers": 1,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    },
     "dots3_note_text": {
         "num_key_value_heads": 4,
         "head_dim": 16,

@@ -122,9 +122,14 @@ class ReferencePatch:
             self.sink = None
 
 
+PLAIN = ReferencePatch()
+"""The options of plain attention."""
+
+
 def reference_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """AttentionInterface-compatible reference: reads its options from ``module.hfa_ref``."""
-    ref: ReferencePatch = module.hfa_ref
+    """AttentionInterface-compatible reference: reads its options from ``module.hfa_ref`` (a module the patch
+    leaves alone, such as an attention residual, has none: plain attention)."""
+    ref: ReferencePatch = getattr(module, "hfa_ref", PLAIN)
     q_len, k_len = query.shape[2], key.shape[2]
     if attention_mask is None:
         causal = getattr(module, "is_causal", False) and q_len > 1

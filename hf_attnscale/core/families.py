@@ -22,8 +22,10 @@ from torch import nn
 from .roformer import roformer_self_attention_forward
 
 ATTENTION_ENTRY = "ALL_ATTENTION_FUNCTIONS"
-SKIPPED_CLASSES = re.compile(r"Cross|Vision|Audio|Image|VQVAE")
-"""Attention classes left unpatched: cross-attention, and the non-text towers of multimodal models."""
+SKIPPED_CLASSES = re.compile(r"Cross|Vision|Audio|Image|VQVAE|Residual")
+"""Attention classes left unpatched: cross-attention, the non-text towers of multimodal models, and attention
+residuals (Inkling-2's learned queries over the stack of earlier layers' outputs: attention across depth, not
+across tokens, so no length law or exit applies)."""
 HEAD_COUNT_NAMES = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_q_heads")
 
 
@@ -44,12 +46,25 @@ class Rule:
     no_streaming: str | None = None
 
 
+_INKLING2 = Rule(
+    no_exit="Inkling-2 has attention sinks of its own (a sink logit per query and head); a second exit is refused"
+)
+_GPTJ = Rule(
+    no_streaming="GPT-J and CodeGen rotate interleaved pairs with (sin, cos) read from a table of their own, "
+    "which pos-shift does not re-place"
+)
 RULES: dict[str, Rule] = {
     "roformer": Rule(("RoFormerSelfAttention",), forward=roformer_self_attention_forward),
     "gpt_oss": Rule(
         no_exit="gpt-oss has learned attention sinks of its own (s_aux); a second exit is refused",
         no_streaming="gpt-oss interleaves its RoPE halves (cos/sin of half the head), which pos-shift does not "
         "re-place",
+    ),
+    "gptj": _GPTJ,
+    "codegen": _GPTJ,
+    "dory": Rule(
+        no_streaming="Dory runs its middle layers in loops, each loop writing its own copy of their cache "
+        "layers (or reading the last loop's keys), which a SinkCache does not hold"
     ),
     "beam": Rule(
         no_streaming="Beam's NoPE layers scale attention by absolute position, with no RoPE to re-place"
@@ -61,10 +76,8 @@ RULES: dict[str, Rule] = {
         no_streaming="Falcon-H1 runs a state-space mixer beside every attention layer, whose state a "
         "SinkCache does not hold"
     ),
-    "inkling2_text": Rule(
-        no_exit="Inkling-2 has attention sinks of its own (a sink logit per query and head); a second exit is "
-        "refused"
-    ),
+    "inkling2_text": _INKLING2,
+    "inkling2_loop_text": _INKLING2,
 }
 
 
