@@ -368,7 +368,7 @@ def test_beam_search_with_eviction_scores_its_own_beams():
 def test_assisted_decoding_raises_clearly():
     model = hfa.patch(sharp_model())
     ids = torch.randint(2, SHARP_VOCAB, (1, 8))
-    with pytest.raises(ValueError, match="cannot be cropped"):
+    with pytest.raises(ValueError, match="be cropped"):  # ours; transformers 5.24 checks is_croppable first
         model.generate(
             ids,
             past_key_values=hfa.SinkCache(2, 6),
