@@ -167,7 +167,7 @@ def supported_model_types() -> list[str]:
     for model_type in sorted(heads):
         try:
             config_class = configuration_auto.CONFIG_MAPPING[model_type]
-            if config_class.sub_configs or config_class().is_encoder_decoder:
+            if config_class.sub_configs or _quietly(config_class).is_encoder_decoder:
                 continue
             module_name = configuration_auto.model_type_to_module_name(model_type)
             modeling = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
@@ -184,6 +184,19 @@ def supported_model_types() -> list[str]:
         ):
             supported.append(model_type)
     return supported
+
+
+def _quietly(config_class: type):
+    """A default config of ``config_class``, without the warnings some defaults raise (token ids outside the
+    default vocabulary: transformers 5.24)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return config_class()
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 Rotary = tuple[nn.Module, str | None]
