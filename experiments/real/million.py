@@ -26,6 +26,7 @@ from sections.tables import markdown
 from tqdm.auto import tqdm
 
 import hf_attnscale as hfa
+from hf_attnscale.core.routing import cache_argument
 
 from .context import SHORT_NAME, Context, Lazy
 
@@ -68,7 +69,9 @@ def stream(context: Context, text: str, tokens: int | None = None) -> list[dict]
             block_end = min(block_start + BLOCK, total)
             for start in range(block_start, block_end, CHUNK):
                 stop = min(start + CHUNK, block_end)
-                logits = model(input_ids=ids[None, start:stop], past_key_values=cache, use_cache=True).logits
+                logits = model(
+                    input_ids=ids[None, start:stop], use_cache=True, **{cache_argument(model): cache}
+                ).logits
                 block_sum += F.cross_entropy(
                     logits[0].float(), ids[start + 1 : stop + 1], reduction="sum"
                 ).item()

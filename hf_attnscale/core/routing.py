@@ -37,8 +37,9 @@ def _signature(function) -> inspect.Signature:
 
 
 def cache_argument(module: nn.Module) -> str:
-    """The name under which ``module``'s forward takes the cache: ``past_key_values`` (transformers < 5.24),
-    ``cache`` (5.24 on) or GPT-NeoX's ``layer_past``; ``past_key_values`` when the forward names none."""
+    """The name under which ``module``'s forward (an attention module's, or a whole model's) takes the cache:
+    ``past_key_values`` (transformers < 5.24), ``cache`` (5.24 on, where the old name is deprecated) or
+    GPT-NeoX's ``layer_past``; ``past_key_values`` when the forward names none (a PEFT wrapper)."""
     parameters = _signature(type(module).forward).parameters
     return next((name for name in CACHE_ARGUMENTS if name in parameters), CACHE_ARGUMENTS[0])
 

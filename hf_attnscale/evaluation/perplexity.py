@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from hf_attnscale.core.offload import run_device
+from hf_attnscale.core.routing import cache_argument
 from hf_attnscale.streaming.cache import SinkCache
 from hf_attnscale.streaming.pos_shift import check_streaming_model
 from hf_attnscale.streaming.rope import rope_rescales_with_length
@@ -168,9 +169,10 @@ def _chunked(model: nn.Module, ids: torch.Tensor, cache, chunk_size: int, bar) -
     """Feed ``ids[:-1]`` in chunks through ``cache``; the last token is only a target."""
     total = ids.shape[1] - 1
     nll = torch.empty(total, dtype=torch.float32, device=ids.device)
+    with_cache = {cache_argument(model): cache}
     for start in range(0, total, chunk_size):
         stop = min(start + chunk_size, total)
-        logits = model(input_ids=ids[:, start:stop], past_key_values=cache, use_cache=True).logits[0]
+        logits = model(input_ids=ids[:, start:stop], use_cache=True, **with_cache).logits[0]
         nll[start:stop] = _token_nll(logits, ids[0, start + 1 : stop + 1])
         bar.update(stop - start)
     return nll

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -47,6 +48,18 @@ def test_eager_and_window_only_streams_are_exact():
         ref = hfa.perplexity(model, ids, cache=hfa.SinkCache(sinks, 6), chunk_size=1, progress=False)
         fast = hfa.perplexity(model, ids, cache=hfa.SinkCache(sinks, 6), chunk_size=16, progress=False)
         assert (fast.nll - ref.nll).abs().max().item() <= 1e-4
+
+
+def test_every_method_runs_without_deprecation_warnings():
+    """The cache goes in under the name the installed transformers takes (``cache`` from 5.24 on, where
+    ``past_key_values`` warns): the user sees no FutureWarning from the package's own calls."""
+    model = hfa.patch(sharp_model("llama"))
+    ids = torch.randint(2, SHARP_VOCAB, (30,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        hfa.perplexity(model, ids, cache=hfa.SinkCache(2, 6), chunk_size=8, progress=False)
+        hfa.perplexity(model, ids, chunk_size=8, progress=False)
+        hfa.perplexity(model, ids, method="recompute", window=8, progress=False)
 
 
 def test_dense_and_recompute_match_plain_loops():
