@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+from transformers.utils import logging as hf_logging
 
 from .roformer import roformer_self_attention_forward
 
@@ -189,8 +190,6 @@ def supported_model_types() -> list[str]:
 def _quietly(config_class: type):
     """A default config of ``config_class``, without the warnings some defaults raise (token ids outside the
     default vocabulary: transformers 5.24)."""
-    from transformers.utils import logging as hf_logging
-
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
