@@ -51,14 +51,12 @@ def cache_routed_forward(self: nn.Module, *args, **kwargs):
         bound.arguments.pop("self")
         extra = bound.arguments.pop("kwargs", {})
         args, kwargs = (), {**bound.arguments, **extra}
-    names = [n for n in CACHE_ARGUMENTS if hasattr(kwargs.get(n), ATTENTION_STEP)]
-    if not names:
+    name = next((n for n in CACHE_ARGUMENTS if hasattr(kwargs.get(n), ATTENTION_STEP)), None)
+    if name is None:
         return type(self).forward(self, *args, **kwargs)
     if args:
         kwargs["hidden_states"] = args[0]
-    cache = kwargs[names[0]]
-    for name in names:  # some families pass it under two names
-        del kwargs[name]
+    cache = kwargs.pop(name)
     return getattr(cache, ATTENTION_STEP)(self, past_key_values=cache, **kwargs)
 
 
