@@ -63,15 +63,14 @@ def stream(context: Context, text: str, tokens: int | None = None) -> list[dict]
         cache.load_state_dict(state["cache"])
         records, nll_sum = json.loads(state["records"]), float(state["nll_sum"])
     done = records[-1]["tokens"] if records else 0
+    with_cache = {cache_argument(model): cache}
     with tqdm(total=total, initial=done, desc="1M stream", unit="tok", mininterval=30) as bar:
         for block_start in range(done, total, BLOCK):
             started, block_sum = time.perf_counter(), 0.0
             block_end = min(block_start + BLOCK, total)
             for start in range(block_start, block_end, CHUNK):
                 stop = min(start + CHUNK, block_end)
-                logits = model(
-                    input_ids=ids[None, start:stop], use_cache=True, **{cache_argument(model): cache}
-                ).logits
+                logits = model(input_ids=ids[None, start:stop], use_cache=True, **with_cache).logits
                 block_sum += F.cross_entropy(
                     logits[0].float(), ids[start + 1 : stop + 1], reduction="sum"
                 ).item()
