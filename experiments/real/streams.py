@@ -150,7 +150,7 @@ def plot_nll_by_position(
     curves: dict[str, torch.Tensor], model: str, text: str, path: Path, bin_size: int = 256
 ) -> None:
     """NLL by position, averaged in bins of ``bin_size`` tokens, one line per method; the trained length marked."""
-    fig, (ax,) = figure(1, width=8, height=4.5)
+    fig, (ax,) = figure(1, width=10, height=4.5)
     for label, nll in curves.items():
         bins = nll[: nll.numel() // bin_size * bin_size].view(-1, bin_size).double().mean(1)
         ax.plot((torch.arange(bins.numel()) + 0.5) * bin_size, bins, label=label, lw=1.2)
@@ -167,7 +167,8 @@ def plot_nll_by_position(
     ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
     ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.yaxis.set_minor_locator(NullLocator())
-    ax.legend(fontsize=8, loc="upper left")
+    # The curves fill the whole width, so the legend goes beside them, not over the stream's first tokens.
+    ax.legend(frameon=False, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     save(fig, path)
 
 
