@@ -2,12 +2,15 @@
 
 A Llama-shaped model with random weights (`SHAPES`: by default 8 layers, d_model 512, 8 heads, GQA 2:1),
 batch 1. Timings of all variants are interleaved in one process (same weights, same inputs) and the median of
-several runs is reported; each variant's peak memory is measured in a fresh subprocess (peak RSS above the
-loaded model on CPU, peak allocated on CUDA) so that earlier allocations do not hide it.
+several runs is reported. Peak memory above the loaded model: on CUDA in this process
+(``torch.cuda.max_memory_allocated`` after a reset); on the CPU in a fresh subprocess per cell (peak RSS), since
+freed host memory would hide a later variant's peak. ``--padded`` left-pads the row by 8 tokens, so the model
+builds a 4D mask (the exit then adds one visible column to it).
 
     python benchmarks/bench_overhead.py --lengths 512,2048,8192 --device cpu
+    python benchmarks/bench_overhead.py --lengths 16384 --padded --no-backward --variants unpatched,logn+sink
     python benchmarks/bench_overhead.py --shape llama-3.2-1b --dtype bfloat16 --device cuda \
-        --lengths 4096,16384,32768 --repeats 7,5,3          # issue #12 (also --attn flash_attention_2 / flex_attention)
+        --lengths 4096,16384,32768 --repeats 7,5,3          # also --attn flash_attention_2 / flex_attention
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ VARIANTS = {
     "unpatched": None,
     "logn": {"scale": "logn", "train_length": 512},
     "logn+zero_kv": {"scale": "logn", "train_length": 512, "zero_kv": True},
+    "logn+sink": {"scale": "logn", "train_length": 512, "sink_logit": "learnable"},
 }
 
 
@@ -71,51 +75,64 @@ def apply_variant(model: LlamaForCausalLM, name: str) -> None:
         hfa.patch(model, **VARIANTS[name])
 
 
-def run_once(model, ids, backward: bool) -> float:
-    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+def make_inputs(length: int, padded: bool, device: str) -> dict[str, torch.Tensor]:
+    """One row of ``length`` random tokens; ``padded``: its first 8 are padding (the model builds a 4D mask)."""
+    ids = torch.randint(0, 1024, (1, length), generator=torch.Generator().manual_seed(0)).to(device)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[:, :8] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def run_once(model, inputs, backward: bool) -> float:
+    sync = torch.cuda.synchronize if inputs["input_ids"].is_cuda else (lambda: None)
     model.zero_grad(set_to_none=True)
     sync()
     start = time.perf_counter()
     if backward:
-        model(input_ids=ids, labels=ids).loss.backward()
+        model(**inputs, labels=inputs["input_ids"]).loss.backward()
     else:
         with torch.no_grad():
-            model(input_ids=ids)
+            model(**inputs)
     sync()
     return time.perf_counter() - start
 
 
-def time_variants(model, length: int, backward: bool, repeats: int, device: str) -> dict[str, float]:
-    ids = torch.randint(0, 1024, (1, length), device=device)
-    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    for name in VARIANTS:  # warm-up
+def time_variants(model, inputs, backward: bool, repeats: int, variants: list[str]) -> dict[str, float]:
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for name in variants:  # warm-up
         apply_variant(model, name)
-        run_once(model, ids, backward)
+        run_once(model, inputs, backward)
     for _ in range(repeats):
-        for name in VARIANTS:
+        for name in variants:
             apply_variant(model, name)
-            times[name].append(run_once(model, ids, backward))
+            times[name].append(run_once(model, inputs, backward))
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def peak_memory_worker(args, variant: str, length: int, backward: bool) -> None:
-    """Run one pass and print the peak memory in MiB above the loaded model (runs in a subprocess)."""
-    device = args.device
-    model = build_model(device, getattr(torch, args.dtype), args.shape, args.attn)
+def cuda_peak_memory(model, variant: str, inputs, backward: bool) -> float:
+    """Peak CUDA memory in MiB above what is allocated before the pass, in this process."""
     apply_variant(model, variant)
-    ids = torch.randint(0, 1024, (1, length), device=device)
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        run_once(model, ids, backward)
-        print(json.dumps((torch.cuda.max_memory_allocated() - base) / 2**20))
-    else:
-        # Reset the kernel's peak-RSS mark (Linux), so model construction does not hide the run's peak.
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        base = _status_kib("VmRSS")
-        run_once(model, ids, backward)
-        print(json.dumps((_status_kib("VmHWM") - base) / 1024))
+    model.zero_grad(set_to_none=True)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    run_once(model, inputs, backward)
+    model.zero_grad(set_to_none=True)
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def peak_memory_worker(args, variant: str, length: int, backward: bool) -> None:
+    """Run one pass and print the peak RSS in MiB above the loaded model (a CPU subprocess)."""
+    model = build_model(args.device, getattr(torch, args.dtype), args.shape, args.attn)
+    apply_variant(model, variant)
+    inputs = make_inputs(length, args.padded, args.device)
+    # Reset the kernel's peak-RSS mark (Linux), so model construction does not hide the run's peak.
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _status_kib("VmRSS")
+    run_once(model, inputs, backward)
+    print(json.dumps((_status_kib("VmHWM") - base) / 1024))
 
 
 def _status_kib(field: str) -> int:
@@ -127,6 +144,7 @@ def peak_memory(args, variant: str, length: int, backward: bool) -> float:
     cmd = [sys.executable, __file__, "--worker", variant, "--lengths", str(length), "--device", args.device]
     cmd += ["--dtype", args.dtype, "--shape", args.shape, "--attn", args.attn]
     cmd += ["--backward-only"] if backward else []
+    cmd += ["--padded"] if args.padded else []
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return float(out.strip().splitlines()[-1])
 
@@ -143,6 +161,10 @@ def main() -> None:
     parser.add_argument("--repeats", default="7,5,3", help="timed runs per length (median reported)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0: torch's default)")
     parser.add_argument("--no-backward", action="store_true", help="forward only")
+    parser.add_argument("--padded", action="store_true", help="left-pad the row by 8 tokens (a 4D mask)")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}"
+    )
     parser.add_argument(
         "--backward-max-length", type=int, default=None, help="forward only above this length"
     )
@@ -157,21 +179,31 @@ def main() -> None:
         peak_memory_worker(args, args.worker, lengths[0], args.backward_only)
         return
     repeats = [int(x) for x in args.repeats.split(",")]
+    variants = args.variants.split(",")
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown or variants[0] != "unpatched":
+        parser.error(
+            f"--variants: 'unpatched' first, then any of {', '.join(VARIANTS)} (got {args.variants})"
+        )
     model = build_model(args.device, getattr(torch, args.dtype), args.shape, args.attn)
     rows = []
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(
-        f"shape={args.shape} attn={args.attn} device={args.device} ({name}) dtype={args.dtype} "
+        f"shape={args.shape} attn={args.attn} device={args.device} ({name}) dtype={args.dtype} padded={args.padded} "
         f"threads={torch.get_num_threads()} torch={torch.__version__} cuda={torch.version.cuda}"
     )
     print("| length | pass | variant | median time (s) | ratio | peak mem (MiB) | ratio |")
     print("|---:|---|---|---:|---:|---:|---:|")
     for length, reps in zip(lengths, repeats + repeats[-1:] * len(lengths)):
         skip_backward = args.no_backward or (args.backward_max_length or length) < length
+        inputs = make_inputs(length, args.padded, args.device)
         for backward in [False] if skip_backward else [False, True]:
-            times = time_variants(model, length, backward, reps, args.device)
-            mems = {v: peak_memory(args, v, length, backward) for v in VARIANTS}
-            for v in VARIANTS:
+            times = time_variants(model, inputs, backward, reps, variants)
+            if args.device.startswith("cuda"):
+                mems = {v: cuda_peak_memory(model, v, inputs, backward) for v in variants}
+            else:
+                mems = {v: peak_memory(args, v, length, backward) for v in variants}
+            for v in variants:
                 row = {
                     "length": length,
                     "pass": "fwd+bwd" if backward else "fwd",

@@ -1,4 +1,6 @@
 """The GPU suite: every feature on a device against the eager reference, in fp32 and bf16, forward and backward;
+the exit through sdpa in fp32, bf16 and fp16 at head dims 64 / 128 / 256 (one-token decoding with GQA, a
+prompt after a cache, padding), under autocast, with a learnable mask bias and beside a family's own sinks;
 streaming in chunks against token by token; batched generate with left padding; unpatch; bf16 at 32k tokens.
 
     python -m pytest -m gpu                  # on CUDA (every test skips where there is none)
@@ -26,11 +28,14 @@ from conftest import (
     stream_logits,
     tiny_model,
 )
+from model_zoo import reference_of
+from model_zoo import tiny_model as zoo_model
 from reference import reference_attention
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.utils import is_flash_attn_2_available
 
 import hf_attnscale as hfa
-from hf_attnscale.core import kernels
+from hf_attnscale.core import exit
 
 pytestmark = pytest.mark.gpu
 
@@ -136,10 +141,14 @@ def test_fp32_gradients_match_reference(device, attn):
         if ".hfa." not in name:
             scale = want[name].grad.abs().max()
             torch.testing.assert_close(p.grad, want[name].grad, atol=1e-5 * scale, rtol=1e-4, msg=name)
+    # The sink and slope gradients sum every row of every batch (sizes 3-35 here): fp32's own rounding of that
+    # sum is ~1e-6 of its size (the reference's own error against float64 is as large as ours), so the
+    # tolerance is relative to the size, as for every other gradient.
     for state, ref in zip(states, refs, strict=True):  # the reference's parameters live on the CPU
         assert state.sink.grad.abs().max() > 0 and state.ssmax.grad.abs().max() > 0
-        torch.testing.assert_close(state.sink.grad.cpu(), ref.sink.grad, atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(state.ssmax.grad.cpu(), ref.slope.grad, atol=1e-5, rtol=1e-4)
+        for mine, theirs in ((state.sink.grad, ref.sink.grad), (state.ssmax.grad, ref.slope.grad)):
+            atol = 1e-5 * theirs.abs().max()
+            torch.testing.assert_close(mine.cpu(), theirs, atol=atol, rtol=1e-4)
 
 
 @pytest.mark.parametrize("options", [{}, {"scale": "logn", "train_length": 16, "zero_kv": True}])
@@ -193,41 +202,47 @@ def test_bf16_at_32k_tokens_is_finite(device, options):
     assert logits.shape == (1, 32768, VOCAB) and torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("masked", [False, True])
-def test_fused_exit_kernel_matches_reference(device, dtype, masked, monkeypatch):
-    """The exit through the fused kernel sdpa would pick, forward and backward, with GQA as it comes and a
-    length that is not a multiple of 32 (the memory-efficient kernel pads its log-sum-exp).
+# (q_len, k_len, mask): one-token decoding without and with a padding mask, a square causal prefill without and
+# with one, and a prompt of 5 after a cache of 32 (non-square, with the mask a model passes then).
+EXIT_SHAPES = {
+    "decode": (1, 37, False),
+    "decode, padded": (1, 37, True),
+    "prefill": (37, 37, False),
+    "prefill, padded": (37, 37, True),
+    "prompt after a cache": (5, 37, True),
+}
 
-    On CUDA that kernel is flash in bf16 without a mask and memory-efficient otherwise; on the CPU, sdpa's flash
-    kernel. A padded row's first queries see no key: the exit takes all of their attention. bf16 keeps 8
-    significant bits: the kernel rounds the probabilities and the output, each to 2^-9 of their size, so the
-    bound is 2^-7 of the largest output (and 2^-6 of the largest gradient), against fp32 on the same inputs.
-    """
-    ran = []
-    apply = kernels._ExitAttention.apply
-    monkeypatch.setattr(
-        kernels._ExitAttention, "apply", lambda kernel, *args: ran.append(kernel.name) or apply(kernel, *args)
+
+@pytest.mark.parametrize("shape", EXIT_SHAPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_exit_through_sdpa_on_the_device(device, dtype, head_dim, shape):
+    """The exit as the sdpa backend runs it on the device (transformers' sdpa wrapper, whichever kernel it picks,
+    GQA 4:2), forward and backward, against the fp32 reference on the CPU; the length 37 is not a multiple of
+    any kernel's block. Half precision keeps 8 (bf16) or 11 (fp16) significant bits: the kernel rounds the
+    probabilities and the output, each to 2^-9 of their size at worst, so the bound is 2^-7 of the largest
+    output (2^-6 of the largest gradient)."""
+    q_len, k_len, padded = EXIT_SHAPES[shape]
+    generator = torch.Generator().manual_seed(head_dim + q_len)
+    q = torch.randn(2, 4, q_len, head_dim, generator=generator) * 2
+    k, v = (torch.randn(2, 2, k_len, head_dim, generator=generator) for _ in range(2))
+    visible = (
+        torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len).expand(2, 1, q_len, k_len).clone()
     )
-    generator = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 4, 37, 64, generator=generator) * 2
-    k, v = (torch.randn(2, 2, 37, 64, generator=generator) for _ in range(2))
-    sinks = torch.tensor([0.0, 1.5, -1.0, 3.0])
-    visible = torch.ones(37, 37, dtype=torch.bool).tril().expand(2, 1, 37, 37).clone()
-    if masked:
-        visible[1, :, :, :5] = False  # row 1 left-padded by 5
-    mask = visible if masked else None
+    if padded:
+        visible[1, :, :, :5] = (
+            False  # row 1 left-padded by 5: in a square prefill its first queries see nothing
+        )
     inputs = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
-    exit_logits = sinks.to(device).requires_grad_()
-    got = kernels.fused_exit_attention(
-        *inputs, None if mask is None else mask.to(device), exit_logits, True, 0.125
-    )
-    leaves = [t.detach().float().cpu().requires_grad_() for t in (*inputs, exit_logits)]
-    want = reference_attention(*leaves[:3], visible, 0.125, sink=leaves[3])
-    expected = "cpu flash"
-    if device.type == "cuda":
-        expected = "cuda flash" if dtype == torch.bfloat16 and not masked else "cuda memory-efficient"
-    assert ran == [expected]
+    sinks = torch.tensor([0.0, 1.5, -1.0, 3.0], device=device, requires_grad=True)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True
+    mask = visible.to(device) if padded else None
+    got = exit.sdpa_exit_attention(
+        sdpa_attention_forward, module, *inputs, mask, sinks, True, scaling=head_dim**-0.5
+    ).transpose(1, 2)
+    leaves = [t.detach().float().cpu().requires_grad_() for t in (*inputs, sinks)]
+    want = reference_attention(*leaves[:3], visible, head_dim**-0.5, sink=leaves[3])
     grad = torch.randn(want.shape, generator=generator)
     got.backward(grad.to(device, dtype))
     want.backward(grad)
@@ -235,10 +250,73 @@ def test_fused_exit_kernel_matches_reference(device, dtype, masked, monkeypatch)
     torch.testing.assert_close(
         got.float().cpu(), want, rtol=0, atol=1e-5 if exact else 2**-7 * want.abs().max().item()
     )
-    assert masked <= bool((got[1, :, :5] == 0).all()), "a query that sees no key must give zero"
-    for mine, theirs in zip((*inputs, exit_logits), leaves, strict=True):
+    if padded and q_len == k_len:
+        assert bool((got[1, :, :5] == 0).all()), "a query that sees no key must give zero"
+    for mine, theirs in zip((*inputs, sinks), leaves, strict=True):
         size = theirs.grad.abs().max().item()
         atol = 1e-5 * size if exact else 2**-6 * size
         torch.testing.assert_close(
             mine.grad.float().cpu(), theirs.grad, rtol=0 if not exact else 1e-4, atol=atol
         )
+
+
+def test_exit_under_autocast(device):
+    """A float32 model under bf16 autocast: the exit is built in bf16 (as the kernel sees it), within bf16's
+    error of the fp32 model (the bound of `test_bf16_error_is_bf16s_own`, measured the same way)."""
+    options = FEATURES["ssmax+sink_learnable"]
+    patched, reference, _, _ = patched_and_reference("llama", "sdpa", options)
+    plain = tiny_model("llama", "sdpa")
+    sharpen_alike(patched, reference, plain)
+    patched, reference, plain = patched.to(device), reference.to(device), plain.to(device)
+    inputs = on(device, sample_inputs("llama"))
+    rows = inputs["attention_mask"].bool()
+    with torch.no_grad():
+        want, unpatched = model_output(reference, **inputs)[rows], model_output(plain, **inputs)[rows]
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            got = model_output(patched, **inputs)[rows].float()
+            own = (model_output(plain, **inputs)[rows].float() - unpatched).abs().max()
+    error, bound = (got - want).abs().max(), 4 * own
+    assert own > 0 and error <= bound, f"patched autocast error {error:.3f}, bound {bound:.3f}"
+    assert (want - unpatched).abs().max() > 3 * bound, "the patch moves the logits too little to be tested"
+
+
+def test_a_learnable_mask_bias_gets_its_gradient_on_the_device(device):
+    """Inkling's relative position bias (a projection folded into the mask) under sdpa with a learnable sink:
+    every gradient equals the reference's, fp32."""
+    options = {"scale": "logn", "train_length": 2, "sink_logit": "learnable"}
+    plain = zoo_model("inkling_text", "sdpa")
+    patched = hfa.patch(copy.deepcopy(plain), **options).to(device)
+    reference = reference_of(plain, "sdpa", **options).to(device)
+    ids = torch.randint(3, 100, (2, 10), generator=torch.Generator().manual_seed(0)).to(device)
+    for model in (patched, reference):
+        model.train()
+        model(input_ids=ids).logits.square().mean().backward()
+    want = dict(reference.named_parameters())
+    for name, p in patched.named_parameters():
+        if ".hfa." not in name:
+            scale = want[name].grad.abs().max()
+            torch.testing.assert_close(p.grad, want[name].grad, atol=1e-5 * scale, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("attn", ["eager", "flash_attention_2"])
+def test_a_family_with_sinks_of_its_own_on_the_device(device, attn):
+    """granite_swa (learned sinks of its own) with the patch's exit beside them: eager against the reference in
+    fp32; flash_attention_2 (one row of sinks, logaddexp of both) against eager in bf16."""
+    dtype = torch.float32 if attn == "eager" else torch.bfloat16
+    skip_unless_runs(attn, device, dtype, {})
+    plain = zoo_model("granite_swa", "eager")
+    with torch.no_grad():
+        for module in plain.modules():
+            if hasattr(module, "sinks"):
+                module.sinks.copy_(torch.linspace(-1.0, 2.0, module.sinks.numel()))
+    patched = hfa.patch(copy.deepcopy(plain), sink_logit=1.5).to(device)
+    reference = reference_of(plain, "eager", sink_logit=1.5).to(device)
+    ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits
+        if attn == "eager":
+            torch.testing.assert_close(patched(input_ids=ids).logits, want, atol=1e-5, rtol=1e-5)
+            return
+        patched.to(dtype).set_attn_implementation(attn)
+        got = patched(input_ids=ids).logits.float()
+    torch.testing.assert_close(got, want, atol=2**-5 * want.abs().max().item(), rtol=0)

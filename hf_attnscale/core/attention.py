@@ -5,8 +5,8 @@ The steps, for each call that reaches a module carrying a patch state (`hf_attns
 1. count the keys n each query row sees, from the mask the backend receives, or from the shapes when the
    backend runs without one (sdpa's ``is_causal``);
 2. multiply the query by the scale law of n (`hf_attnscale.core.laws`), on top of the model's own scaling;
-3. add the exit (zero_kv / sink logit): natively where the backend has sinks (flash, flex), fused where the
-   kernel returns its log-sum-exp (`hf_attnscale.core.kernels`), else as an explicit zero key;
+3. add the exit (zero_kv / sink logit): natively where the backend has sinks (flash, flex), else as one more
+   zero-valued key (`hf_attnscale.core.exit`): on extra channels through public sdpa, or a mask column (eager);
 4. run the inner backend.
 
 A call may bring hooks of its own (`hf_attnscale.core.hooks`): a query map, an output map, a probe.
@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from .compat import create_position_bias_mask
+from .exit import combined_exit_logits, extra_key_attention, sdpa_exit_attention
 from .hooks import CallHooks
-from .kernels import fused_exit_attention
 from .laws import query_multiplier
 from .state import AttnScaleState
 
@@ -87,20 +87,20 @@ def _attend(backend, backend_fn, module, query, key, value, attention_mask, exit
     if exit_logits is None:
         return backend_fn(module, query, key, value, attention_mask, **kwargs)
     if backend.startswith("flash") or backend == "flex_attention":
-        # These backends implement learnable sinks natively (gpt-oss's `s_aux`).
-        return backend_fn(module, query, key, value, attention_mask, s_aux=exit_logits, **kwargs)
+        # These backends take one row of sink logits (`s_aux`). A family with sinks of its own passes its row
+        # already: two exits whose values are zero are one exit, of logit logaddexp(s1, s2).
+        sinks = combined_exit_logits(exit_logits, kwargs.pop("s_aux", None))
+        return backend_fn(module, query, key, value, attention_mask, s_aux=sinks, **kwargs)
     if kwargs.get("position_bias") is not None:  # a relative position bias (Inkling): fold it into the mask
         attention_mask = create_position_bias_mask(
             kwargs.pop("position_bias"), attention_mask, causal, query, key
         )
-    dropout = kwargs.get("dropout", 0.0)
-    if backend == "sdpa" and dropout == 0.0 and key.shape[-1] == value.shape[-1]:
-        out = fused_exit_attention(
-            query, key, value, attention_mask, exit_logits, causal, kwargs.get("scaling")
+    if backend == "sdpa":
+        out = sdpa_exit_attention(
+            backend_fn, module, query, key, value, attention_mask, exit_logits, causal, **kwargs
         )
-        if out is not None:
-            return out.transpose(1, 2).contiguous(), None
-    return _extra_key_attention(
+        return out, None
+    return extra_key_attention(
         backend_fn, module, query, key, value, attention_mask, exit_logits, causal, **kwargs
     )
 
@@ -189,32 +189,3 @@ def _dense_block_mask(block_mask, q_len: int, k_len: int) -> torch.Tensor:
 
     batch = block_mask.kv_num_blocks.shape[0]
     return create_mask(block_mask.mask_mod, batch, 1, q_len, k_len, device=block_mask.kv_num_blocks.device)
-
-
-def _extra_key_attention(backend_fn, module, query, key, value, mask, exit_logits, causal, **kwargs):
-    """Exit as an explicit extra key: a zero key/value first, whose logit comes from a mask column.
-
-    Exact for any backend that takes an additive 4D mask (eager, sdpa). The mask is materialised.
-    """
-    batch, num_heads, q_len, _ = query.shape
-    k_len = key.shape[2]
-    dtype = query.dtype
-    key = torch.cat([key.new_zeros(batch, key.shape[1], 1, key.shape[3]), key], dim=2)
-    value = torch.cat([value.new_zeros(batch, value.shape[1], 1, value.shape[3]), value], dim=2)
-    neg = torch.finfo(dtype).min
-    if mask is None:
-        body = torch.zeros(1, 1, q_len, k_len, dtype=dtype, device=query.device)
-        if causal and q_len > 1:
-            body.masked_fill_(torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).triu(1), neg)
-    elif mask.dtype == torch.bool:
-        body = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, neg)
-    else:
-        body = mask[..., :k_len].to(dtype)
-    # One shared column when every head has the same constant exit logit and the mask is shared by the heads;
-    # learnable sinks, and masks with a head dimension (Doge's), need a column per head.
-    uniform = not exit_logits.requires_grad and bool((exit_logits == exit_logits[0]).all())
-    heads = 1 if uniform and body.shape[1] == 1 else num_heads
-    body = body.expand(body.shape[0], heads, q_len, k_len)
-    column = exit_logits.to(dtype).view(1, -1, 1, 1)[:, :heads].expand(body.shape[0], heads, q_len, 1)
-    out, weights = backend_fn(module, query, key, value, torch.cat([column, body], dim=-1), **kwargs)
-    return out, (weights[..., 1:] if weights is not None else None)
