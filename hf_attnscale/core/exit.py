@@ -3,8 +3,9 @@
 Two formulations, both plain attention that PyTorch differentiates by itself:
 
 * `sdpa_exit_attention`, for the sdpa backend on every device: the exit's logit rides on extra channels, so
-  public ``F.scaled_dot_product_attention`` computes it as an ordinary ``q·k`` (shapes per head, W a multiple
-  of 8 the kernels accept)::
+  public ``F.scaled_dot_product_attention`` computes it as an ordinary ``q·k`` (shapes per head; W is
+  ``D + 2`` rounded up to a multiple of 8 on accelerators, whose fused kernels want one, and ``D + 2`` on the
+  CPU, whose kernels take any width: 8 more channels would cost the CPU 12% more attention time and memory)::
 
       q' = [q, hi, lo, 0…]          (T, W)   hi + lo = s / scale, split so that bf16 keeps s to ~2^-16
       k' = [exit; k, 0, 0, 0…]      (1 + T, W)   exit key = [0…, 1, 1, 0…]
@@ -27,7 +28,11 @@ import torch
 import torch.nn.functional as F
 
 EXIT_CHANNELS = 2  # the logit in two parts: hi = round(s / scale), lo = the rest
-WIDTH_MULTIPLE = 8  # the head dims sdpa's fused kernels take
+
+
+def width_multiple(device: torch.device) -> int:
+    """The head dims sdpa's fused kernels take on ``device``: multiples of 8 on accelerators, any on the CPU."""
+    return 1 if device.type == "cpu" else 8
 
 
 def combined_exit_logits(exit_logits: torch.Tensor, own_sinks: torch.Tensor | None) -> torch.Tensor:
@@ -47,7 +52,8 @@ def sdpa_exit_attention(backend_fn, module, query, key, value, mask, exit_logits
         dtype = torch.get_autocast_dtype(query.device.type)
         query, key, value = (t.to(dtype) for t in (query, key, value))
     dim, dim_v, q_len = query.shape[-1], value.shape[-1], query.shape[2]
-    width = -(-max(dim + EXIT_CHANNELS, dim_v) // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
+    multiple = width_multiple(query.device)
+    width = -(-max(dim + EXIT_CHANNELS, dim_v) // multiple) * multiple
     scaling = kwargs.pop("scaling", None)
     scaling = dim**-0.5 if scaling is None else scaling  # sdpa's default would read the padded width
     dummy = int(causal and mask is None and q_len > 1)
