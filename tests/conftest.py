@@ -19,7 +19,7 @@ import math
 
 import pytest
 import torch
-from reference import make_reference
+from reference import make_reference, set_gate
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -114,11 +114,17 @@ FEATURES = {
     "logn_unclamped": {"scale": "logn", "train_length": 2, "clamp": False},
     "ssmax": {"scale": "ssmax", "train_length": 2},
     "gradmax": {"scale": "gradmax", "train_length": 2},
+    "llama4": {"scale": "llama4", "train_length": 2, "beta": 0.5},
+    "ministral3": {"scale": "ministral3", "train_length": 3, "beta": 0.5},
     "zero_kv": {"zero_kv": True},
     "sink_fixed": {"sink_logit": 2.0},
     "sink_learnable": {"sink_logit": "learnable"},
     "logn+zero_kv": {"scale": "logn", "train_length": 2, "zero_kv": True},
     "ssmax+sink_learnable": {"scale": "ssmax", "train_length": 2, "sink_logit": "learnable"},
+    "clipped": {"clipped_softmax": (-0.03, 1.02)},
+    "logn+clipped_learnable": {"scale": "logn", "train_length": 2, "clipped_softmax": "learnable"},
+    "gate_head": {"gate": "head"},
+    "logn+zero_kv+gate_element": {"scale": "logn", "train_length": 2, "zero_kv": True, "gate": "element"},
 }
 """The features every reference test covers, with tiny train lengths so that the laws act at tiny n."""
 
@@ -152,7 +158,22 @@ def patched_and_reference(model_type: str, attn: str, options: dict):
             if state.ssmax is not None:
                 state.ssmax.mul_(1 + 0.3 * torch.randn(state.ssmax.shape, generator=gen))
                 ref.slope.copy_(state.ssmax)
+            if state.clip_gamma is not None:  # gamma in [-0.06, 0], zeta in [1, 1.06]
+                state.clip_gamma.copy_(-0.06 * torch.rand(state.clip_gamma.shape, generator=gen))
+                state.clip_zeta.copy_(1 + 0.06 * torch.rand(state.clip_zeta.shape, generator=gen))
+                ref.clip[0].copy_(state.clip_gamma)
+                ref.clip[1].copy_(state.clip_zeta)
+            if state.output_gate is not None:
+                perturb_gate(state.output_gate, gen)
+                set_gate(ref, state.output_gate.weight, state.output_gate.bias)
     return patched, reference, states, refs
+
+
+def perturb_gate(gate: torch.nn.Linear, generator: torch.Generator) -> None:
+    """Move a gate off its identity start: weights of std 1/sqrt(in), biases of std 0.5 (gates in ~0.3-1.7)."""
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(gate.weight.shape, generator=generator) / math.sqrt(gate.in_features))
+        gate.bias.copy_(0.5 * torch.randn(gate.bias.shape, generator=generator))
 
 
 SHARP_VOCAB = 97

@@ -21,11 +21,20 @@ REF_NAME = "hfa_test_reference"
 
 
 def law(
-    scale: str, n: torch.Tensor, train_length: int, clamp: bool, slope: torch.Tensor | None
+    scale: str,
+    n: torch.Tensor,
+    train_length: int,
+    clamp: bool,
+    slope: torch.Tensor | None,
+    beta: float | None = None,
 ) -> torch.Tensor:
     """Query multiplier written straight from the formulas (n: (B,1,Tq) -> (B,1|H,Tq))."""
     n = n.clamp_min(1.0)
-    if scale == "logn":
+    if scale == "llama4":  # Llama 4: 1 + beta * log(1 + floor(n / F))
+        m = 1 + beta * torch.log(1 + torch.div(n, train_length, rounding_mode="floor"))
+    elif scale == "ministral3":  # Ministral 3: 1 + beta * log(1 + floor(position / L)), position = n - 1
+        m = 1 + beta * torch.log(1 + torch.div(n - 1, train_length, rounding_mode="floor"))
+    elif scale == "logn":
         m = torch.log(n) / math.log(train_length)
     elif scale == "gradmax":
         m = torch.sqrt(torch.log(n) / math.log(train_length))
@@ -47,7 +56,9 @@ def reference_attention(
     train_length=None,
     clamp=False,
     slope=None,
+    beta=None,
     sink=None,
+    clip=None,
     with_weights=False,
     softcap=None,
     model_sinks=None,
@@ -70,7 +81,7 @@ def reference_attention(
     if scale != "none":
         n = visible.to(exact).sum(-1)
         slope = None if slope is None else slope.to(n.device)  # the reference's parameters live on the CPU
-        scores = scores * law(scale, n, train_length, clamp, slope).unsqueeze(-1)
+        scores = scores * law(scale, n, train_length, clamp, slope, beta).unsqueeze(-1)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if bias is not None:
@@ -87,6 +98,10 @@ def reference_attention(
     probs = torch.softmax(scores, dim=-1).nan_to_num(
         0.0
     )  # a fully masked row without an exit attends nowhere
+    if clip is not None:  # Bondarenko's clipped softmax on the keys' probabilities; masked keys stay at zero
+        gamma, zeta = (torch.as_tensor(c, dtype=exact, device=q.device).reshape(-1, 1, 1) for c in clip)
+        keys = ((zeta - gamma) * probs[..., : k.shape[2]] + gamma).clamp(0, 1).masked_fill(~visible, 0)
+        probs = torch.cat([keys, probs[..., k.shape[2] :]], dim=-1)
     out = torch.matmul(probs, values).to(q.dtype)
     return (out, probs[..., : k.shape[2]].to(q.dtype)) if with_weights else out
 
@@ -105,12 +120,22 @@ class ReferencePatch:
         sink_init=0.0,
         slope_init=None,
         apply_softcap=True,
+        beta=None,
+        clipped_softmax=None,
+        gate=None,
     ):
         self.apply_softcap = (
             apply_softcap  # eager caps the logits; sdpa ignores the cap, and so must its reference
         )
         self.scale, self.train_length = scale, train_length
-        self.clamp = (scale != "ssmax") if clamp is None else clamp
+        self.clamp = scale in ("logn", "gradmax") if clamp is None else clamp
+        self.beta = 0.1 if beta is None and scale in ("llama4", "ministral3") else beta
+        self.gate = gate  # "head" / "element": its weight and bias are set with `set_gate`, else zero
+        self.gate_weight = self.gate_bias = None
+        if clipped_softmax == "learnable":
+            self.clip = (torch.nn.Parameter(torch.zeros(heads)), torch.nn.Parameter(torch.ones(heads)))
+        else:
+            self.clip = clipped_softmax
         self.slope = torch.nn.Parameter(torch.full((heads,), slope_init or 1 / math.log(train_length or 2)))
         if zero_kv:
             self.sink = torch.zeros(heads)
@@ -155,13 +180,35 @@ def reference_forward(module, query, key, value, attention_mask, scaling=None, d
         train_length=ref.train_length,
         clamp=ref.clamp,
         slope=ref.slope,
+        beta=ref.beta,
         sink=ref.sink,
+        clip=ref.clip,
         with_weights=True,
         softcap=kwargs.get("softcap") if ref.apply_softcap else None,
         model_sinks=kwargs["s_aux"] if kwargs.get("s_aux") is not None else kwargs.get("sinks"),
         bias=bias,
     )
-    return out.transpose(1, 2).contiguous(), weights
+    out = out.transpose(1, 2)  # (B, Tq, H, Dv)
+    if ref.gate is not None:  # out_h * 2 sigmoid(x W + b), x the module's input (taken by `_remember_input`)
+        x = module.hfa_ref_input
+        if ref.gate_weight is None:
+            width = out.shape[2] * (1 if ref.gate == "head" else out.shape[3])
+            ref.gate_weight = torch.nn.Parameter(torch.zeros(width, x.shape[-1]))
+            ref.gate_bias = torch.nn.Parameter(torch.zeros(width))
+        logits = torch.matmul(x.float(), ref.gate_weight.t()) + ref.gate_bias
+        gate = 2 * torch.sigmoid(logits).reshape(*out.shape[:3], -1)
+        out = (out.float() * gate).to(out.dtype)
+    return out.contiguous(), weights
+
+
+def _remember_input(module, args, kwargs):
+    module.hfa_ref_input = args[0] if args else kwargs["hidden_states"]
+
+
+def set_gate(ref: ReferencePatch, weight: torch.Tensor, bias: torch.Tensor) -> None:
+    """Give the reference's gate these values (copies, trainable)."""
+    ref.gate_weight = torch.nn.Parameter(weight.detach().clone().float())
+    ref.gate_bias = torch.nn.Parameter(bias.detach().clone().float())
 
 
 AttentionInterface.register(REF_NAME, reference_forward)
@@ -184,6 +231,8 @@ def make_reference(model, attention_classes, **patch_kwargs):
     for module in model.modules():
         if type(module).__name__ in attention_classes:
             module.hfa_ref = ReferencePatch(heads=_query_heads(module, model.config), **patch_kwargs)
+            if module.hfa_ref.gate is not None:
+                module.register_forward_pre_hook(_remember_input, with_kwargs=True)
             refs.append(module.hfa_ref)
     return refs
 

@@ -15,7 +15,7 @@ from transformers.modeling_utils import AttentionInterface
 
 import hf_attnscale as hfa
 from hf_attnscale.core import patching
-from hf_attnscale.core.attention import visible_key_counts
+from hf_attnscale.core.masks import visible_key_counts
 
 
 @pytest.mark.parametrize(
@@ -96,6 +96,9 @@ def test_config_is_saved_in_model_config():
         "clamp": True,
         "zero_kv": True,
         "sink_logit": None,
+        "beta": None,
+        "clipped_softmax": None,
+        "gate": None,
         "version": 1,
     }
     assert hfa.AttnScaleConfig.from_dict(saved) == hfa.get_config(model)

@@ -7,6 +7,7 @@ import argparse
 import time
 from typing import TYPE_CHECKING, Any
 
+from hf_attnscale.core.config import OPTION_NAMES
 from hf_attnscale.patch_flags import add_patch_arguments
 
 from .options import (
@@ -30,8 +31,6 @@ if TYPE_CHECKING:
     from hf_attnscale.evaluation.corpus import Document
     from hf_attnscale.evaluation.report import SweepResult
     from hf_attnscale.evaluation.variants import Variant
-
-PATCH_OPTIONS = ("scale", "train_length", "clamp", "zero_kv", "sink_logit")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -142,11 +141,16 @@ def describe(options: dict[str, Any], sink_tokens: int, window: int | None) -> s
     """A short label for a configuration, e.g. ``logn(L=4096) + sink+window (4+1020)``."""
     parts = []
     if options.get("scale") and options["scale"] != "none":
-        parts.append(f"{options['scale']}(L={options['train_length']})")
+        beta = f", beta={options['beta']}" if options.get("beta") is not None else ""
+        parts.append(f"{options['scale']}(L={options['train_length']}{beta})")
     if options.get("zero_kv"):
         parts.append("zero-kv")
     if options.get("sink_logit") is not None:
         parts.append(f"sink-logit={options['sink_logit']}")
+    if options.get("clipped_softmax") is not None:
+        parts.append(f"clipped={options['clipped_softmax']}")
+    if options.get("gate") is not None:
+        parts.append(f"gate={options['gate']}")
     if window is not None:
         parts.append(f"sink+window ({sink_tokens}+{window})" if sink_tokens else f"window-only ({window})")
     return " + ".join(parts) or "unpatched"
@@ -177,7 +181,7 @@ def _variant(
         name = args.name or describe(options, sink_tokens, window)
         return Variant(name, patch=options, sink_tokens=sink_tokens, window=window)
     if saved is not None and not saved.is_identity:
-        patch = {k: v for k, v in saved.to_dict().items() if k in PATCH_OPTIONS}
+        patch = {k: v for k, v in saved.to_dict().items() if k in OPTION_NAMES}
         name = args.name or "saved: " + describe(patch, sink_tokens, window)
         return Variant(name, patch=patch, sink_tokens=sink_tokens, window=window)
     return Variant(args.name or describe({}, sink_tokens, window), sink_tokens=sink_tokens, window=window)

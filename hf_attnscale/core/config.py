@@ -14,9 +14,16 @@ LEGACY_CONFIG_KEY = "attn_scale"
 """Where earlier versions saved the patch. Read only when it holds a dict: Llama-4's own config has an
 ``attn_scale`` float (its attention temperature), which is not a patch."""
 
-ScaleName = Literal["none", "logn", "ssmax", "gradmax"]
+ScaleName = Literal["none", "logn", "ssmax", "gradmax", "llama4", "ministral3"]
 SCALES: tuple[str, ...] = get_args(ScaleName)
 SinkLogit = float | Literal["learnable"] | None
+ClippedSoftmax = tuple[float, float] | Literal["learnable"] | None
+GateKind = Literal["head", "element"]
+GATES: tuple[str, ...] = get_args(GateKind)
+STEP_LAWS = ("llama4", "ministral3")
+"""The laws of 2026, ``1 + β·ln(1 + ⌊·/L⌋)``: they take ``beta`` and never need a clamp (they are at least 1)."""
+DEFAULT_BETA = 0.1
+"""β of the step laws when not given: Llama 4's ``attn_scale`` and Ministral 3's ``llama_4_scaling_beta``."""
 
 
 @dataclass(frozen=True)
@@ -29,10 +36,22 @@ class AttnScaleConfig:
             as in Qwen's logn attention; ``"ssmax"``: learnable per-head ``s·ln(n)`` (Scalable-Softmax),
             initialised to ``1/ln(L)`` so it starts equal to ``log_L(n)``; ``"gradmax"``: ``sqrt(ln n / ln L)``,
             the score scale ``≈ 0.84·sqrt(ln n)`` that maximises the softmax gradient (Su, "Attention's scale
-            from gradient maximisation"), normalised to 1 at the trained length.
+            from gradient maximisation"), normalised to 1 at the trained length; ``"llama4"``:
+            ``1 + β·ln(1 + ⌊n / L⌋)``, Llama 4's attention temperature tuning (L its ``floor_scale``, 8192);
+            ``"ministral3"``: ``1 + β·ln(1 + ⌊(n − 1) / L⌋)``, Ministral 3's and Mistral 4's query scaling
+            (L their ``original_max_position_embeddings``).
         train_length: L, the length the model was trained at (required with a scale, at least 2).
         clamp: apply ``max(1, ·)`` so lengths up to L are untouched. Defaults to True for ``logn`` and
-            ``gradmax``, False for ``ssmax``. Only valid with a scale.
+            ``gradmax``, False for the others. Only valid with a scale.
+        beta: β of ``llama4`` and ``ministral3`` (default 0.1, the families' own); only valid with them.
+        clipped_softmax: ``(γ, ζ)``: attention probabilities ``clip((ζ − γ)·softmax + γ, 0, 1)`` (Bondarenko
+            et al., 2023; γ ≤ 0 lets a head give a token exactly zero weight, their γ = −α/T), with γ ≤ 0 and
+            ζ ≥ 1; or ``"learnable"``: per-head γ and ζ, initialised to 0 and 1 (the unpatched softmax). Runs
+            the eager formula on every backend. Not with an exit: each is a way for a head to do nothing.
+        gate: a sigmoid gate on each head's output from the token's input hidden state, before the output
+            projection (Bondarenko et al. 2023; Qiu et al. 2025): ``"head"``, one per head, or ``"element"``,
+            one per channel; ``2·sigmoid(x·W + b)`` with ``W = b = 0`` at first, so the patched model starts
+            equal to the original. Learnable, saved and trained with PEFT like the sink logit.
         zero_kv: add a zero key and zero value every query sees (softmax-off-by-one).
         sink_logit: a per-head sink logit column whose value is zero: a fixed float, or ``"learnable"``
             (an ``nn.Parameter`` per head, initialised to 0, which equals ``zero_kv``).
@@ -43,6 +62,9 @@ class AttnScaleConfig:
     clamp: bool | None = None
     zero_kv: bool = False
     sink_logit: SinkLogit = None
+    beta: float | None = None
+    clipped_softmax: ClippedSoftmax = None
+    gate: GateKind | None = None
     version: int = field(default=1, repr=False)
 
     def __post_init__(self) -> None:
@@ -63,9 +85,21 @@ class AttnScaleConfig:
                 )
             object.__setattr__(self, "train_length", check_int("train_length", self.train_length, 2))
             if self.clamp is None:
-                object.__setattr__(self, "clamp", self.scale != "ssmax")
+                object.__setattr__(self, "clamp", self.scale in ("logn", "gradmax"))
             elif not isinstance(self.clamp, bool):
                 raise ValueError(f"clamp must be True or False, got {self.clamp!r}.")
+        if self.scale in STEP_LAWS:
+            beta = DEFAULT_BETA if self.beta is None else self.beta
+            if (
+                isinstance(beta, bool)
+                or not isinstance(beta, (int, float))
+                or not math.isfinite(beta)
+                or beta < 0
+            ):
+                raise ValueError(f"beta must be a finite float >= 0, got {self.beta!r}.")
+            object.__setattr__(self, "beta", float(beta))
+        elif self.beta is not None:
+            raise ValueError(f"beta only applies with scale={STEP_LAWS[0]!r} or {STEP_LAWS[1]!r}.")
         if not isinstance(self.zero_kv, bool):
             raise ValueError(f"zero_kv must be True or False, got {self.zero_kv!r}.")
         sink = self.sink_logit
@@ -83,6 +117,29 @@ class AttnScaleConfig:
                 f"zero_kv=True cannot be combined with {what}: zero_kv is sink_logit=0.0; pass one."
             )
 
+        clip = self.clipped_softmax
+        if clip is not None and clip != "learnable":
+            if (
+                isinstance(clip, str)
+                or not isinstance(clip, (tuple, list))
+                or len(clip) != 2
+                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in clip)
+                or not all(math.isfinite(x) for x in clip)
+                or not clip[0] <= 0 < 1 <= clip[1]
+            ):
+                raise ValueError(
+                    f"clipped_softmax must be (gamma, zeta) with gamma <= 0 and zeta >= 1 (finite floats), "
+                    f"'learnable' or None, got {clip!r}."
+                )
+            object.__setattr__(self, "clipped_softmax", (float(clip[0]), float(clip[1])))
+        if self.gate is not None and self.gate not in GATES:
+            raise ValueError(f"gate must be {' or '.join(map(repr, GATES))} or None, got {self.gate!r}.")
+        if clip is not None and self.has_exit:
+            raise ValueError(
+                "clipped_softmax cannot be combined with zero_kv / sink_logit: each lets a head attend to "
+                "nothing; pass one."
+            )
+
     @property
     def has_exit(self) -> bool:
         """Whether queries get the zero-value exit column (zero_kv or a sink logit)."""
@@ -98,7 +155,9 @@ class AttnScaleConfig:
     @property
     def is_identity(self) -> bool:
         """True when the patch leaves attention outputs unchanged."""
-        return self.scale == "none" and not self.has_exit
+        return (
+            self.scale == "none" and not self.has_exit and self.clipped_softmax is None and self.gate is None
+        )
 
     @classmethod
     def from_options(cls, **options: Any) -> AttnScaleConfig | None:
@@ -118,6 +177,12 @@ class AttnScaleConfig:
                 f"Unknown attn_scale config keys {unknown}; known keys: {sorted(cls.__dataclass_fields__)}."
             )
         return cls(**known)
+
+
+OPTION_NAMES: tuple[str, ...] = tuple(
+    name for name in AttnScaleConfig.__dataclass_fields__ if name != "version"
+)
+"""The patch's options, as `hfa.patch`, the CLI and the lm-eval model type name them."""
 
 
 def read_saved_config(model_config: Any) -> AttnScaleConfig | None:

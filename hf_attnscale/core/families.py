@@ -142,6 +142,20 @@ def query_heads(module: nn.Module, model_config: Any) -> int:
     raise ValueError(f"Cannot find the number of attention heads of {type(module).__name__}.")
 
 
+def gate_features(module: nn.Module, model_config: Any) -> tuple[int, int]:
+    """``(input width, value head dim)`` of an attention module, for its output gate: the input width is its
+    first projection's (MobileBERT's attention runs on a bottleneck narrower than the model)."""
+    first = next((m for m in module.modules() if isinstance(m, nn.Linear)), None)
+    width = first.in_features if first is not None else model_config.hidden_size
+    heads = query_heads(module, model_config)
+    for source in (module, getattr(module, "config", None), model_config):
+        for name in ("v_head_dim", "head_dim", "attention_head_size", "head_size"):
+            value = getattr(source, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return width, value
+    return width, model_config.hidden_size // heads
+
+
 def takes_position_embeddings(module: nn.Module) -> bool:
     """Whether the module's forward receives RoPE's ``(cos, sin)``: where StreamingLLM's pos-shift can act."""
     forward = inspect.unwrap(type(module).forward)

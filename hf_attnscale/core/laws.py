@@ -29,6 +29,11 @@ def query_multiplier(
     """
     if config.scale == "none":
         raise ValueError("No multiplier for scale='none'.")
+    if config.scale in ("llama4", "ministral3"):
+        n = n.float().clamp_min(1.0)
+        steps = torch.floor((n if config.scale == "llama4" else n - 1) / config.train_length)
+        mult = 1 + config.beta * torch.log1p(steps)
+        return mult.clamp_min(1.0) if config.clamp else mult
     log_n = n.float().clamp_min(1.0).log()
     if config.scale == "ssmax":
         mult = ssmax_slope.float().view(1, -1, 1) * log_n

@@ -30,17 +30,27 @@ from torch import nn
 
 from .attention import check_exit_backend
 from .checkpoint import CheckpointNotFound, read_tensors, safetensors_files
-from .config import CONFIG_KEY, AttnScaleConfig, ScaleName, SinkLogit, read_saved_config
+from .config import (
+    CONFIG_KEY,
+    AttnScaleConfig,
+    ClippedSoftmax,
+    GateKind,
+    ScaleName,
+    SinkLogit,
+    read_saved_config,
+)
 from .dispatch import PatchedConfigView, check_backend, routed_config
 from .families import (
     Rotary,
     Rule,
     attention_modules,
+    gate_features,
     query_heads,
     rotary_for,
     rule_for,
     takes_position_embeddings,
 )
+from .gate import has_gate_hooks, set_gate_hooks
 from .models import unwrap
 from .offload import forward_slot, parameter_device, restore_forward, run_device, set_forward
 from .routing import ROTARY_ATTR, cache_routed_forward
@@ -58,6 +68,9 @@ def patch(
     clamp: bool | None = None,
     zero_kv: bool | None = None,
     sink_logit: SinkLogit = None,
+    beta: float | None = None,
+    clipped_softmax: ClippedSoftmax = None,
+    gate: GateKind | None = None,
     *,
     config: AttnScaleConfig | None = None,
 ) -> M:
@@ -77,7 +90,14 @@ def patch(
         >>> hfa.patch(model, scale="logn", train_length=4096, zero_kv=True)
     """
     requested = AttnScaleConfig.from_options(
-        scale=scale, train_length=train_length, clamp=clamp, zero_kv=zero_kv, sink_logit=sink_logit
+        scale=scale,
+        train_length=train_length,
+        clamp=clamp,
+        zero_kv=zero_kv,
+        sink_logit=sink_logit,
+        beta=beta,
+        clipped_softmax=clipped_softmax,
+        gate=gate,
     )
     if config is not None and requested is not None:
         raise ValueError(
@@ -142,15 +162,16 @@ def _installation(root: nn.Module, config: AttnScaleConfig) -> _Installation:
     backend = check_backend(root.config._attn_implementation)
     if config.has_exit:
         check_exit_backend(backend, run_device(root))
-    states = [_new_state(config, query_heads(m, root.config), m) for m in modules]
+    states = [_new_state(config, m, root.config) for m in modules]
     rotary = [rotary_for(root, m) if takes_position_embeddings(m) else None for m in modules]
     return _Installation(config, rule, modules, states, rotary)
 
 
-def _new_state(config: AttnScaleConfig, num_heads: int, module: nn.Module) -> AttnScaleState:
+def _new_state(config: AttnScaleConfig, module: nn.Module, model_config: Any) -> AttnScaleState:
     """A state whose parameters live where the module runs (`parameter_device`: its accelerate execution
     device, else its weights' device), in the module's dtype (float32 for half-precision models)."""
-    state = AttnScaleState(config, num_heads)
+    gate = gate_features(module, model_config) if config.gate else None
+    state = AttnScaleState(config, query_heads(module, model_config), gate)
     ref = next(module.parameters(), None)
     if ref is not None and any(True for _ in state.parameters()):
         dtype = ref.dtype if ref.dtype == torch.float64 else torch.float32
@@ -201,6 +222,7 @@ def _install(root: nn.Module, installation: _Installation) -> None:
         setattr(record, CONFIG_KEY, installation.config.to_dict())
         for module, state, rotary in zip(installation.modules, installation.states, installation.rotary):
             module._modules[STATE_NAME] = state
+            set_gate_hooks(module, installation.config.gate is not None)
             if installation.rule.forward is not None:
                 set_forward(module, installation.rule.forward)
                 continue
@@ -250,6 +272,7 @@ def _snapshot(root: nn.Module, modules: list[nn.Module]) -> dict[str, Any]:
                 forward_slot(m),
                 m.__dict__.get(forward_slot(m)),
                 m.__dict__.get(ROTARY_ATTR),
+                has_gate_hooks(m),
             )
             for m in modules
         ],
@@ -265,7 +288,8 @@ def _restore(root: nn.Module, snapshot: dict[str, Any]) -> None:
         config.__dict__.pop(CONFIG_KEY, None)
     else:
         setattr(config, CONFIG_KEY, record)
-    for module, state, slot, forward, rotary in snapshot["modules"]:
+    for module, state, slot, forward, rotary, gated in snapshot["modules"]:
+        set_gate_hooks(module, gated)
         _put(module._modules, STATE_NAME, state)
         _put(module.__dict__, slot, forward)
         _put(module.__dict__, ROTARY_ATTR, rotary)
@@ -312,6 +336,7 @@ def unpatch(model: M) -> M:
         if isinstance(module.__dict__.get("config"), PatchedConfigView):
             module.config = module.config.model_config
         restore_forward(module)
+        set_gate_hooks(module, False)
         module._modules.pop(STATE_NAME, None)
         module.__dict__.pop(ROTARY_ATTR, None)
     if modules:

@@ -22,6 +22,7 @@ from typing import Any
 from torch import nn
 
 from .families import Rotary
+from .gate import gate_input
 from .hooks import HOOKS_KWARG, CallHooks, ambient_hooks, using_hooks
 
 ATTENTION_STEP = "attention_step"
@@ -76,10 +77,11 @@ def forward_with_hooks(module: nn.Module, hooks: CallHooks, **kwargs: Any):
     if ambient is not None and hooks.probe is None:
         hooks = CallHooks(query=hooks.query, output=hooks.output, probe=ambient.probe)
     forward = type(module).forward
-    if _takes_any_keyword(forward):
-        return forward(module, **kwargs, **{HOOKS_KWARG: hooks})
-    with using_hooks(hooks):
-        return forward(module, **kwargs)
+    with gate_input(module, kwargs.get("hidden_states")):
+        if _takes_any_keyword(forward):
+            return forward(module, **kwargs, **{HOOKS_KWARG: hooks})
+        with using_hooks(hooks):
+            return forward(module, **kwargs)
 
 
 @functools.cache

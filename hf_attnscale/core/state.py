@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .config import AttnScaleConfig
+from .gate import make_gate
 from .laws import ssmax_init
 from .models import unwrap
 from .offload import is_offloaded, keep_resident
@@ -22,7 +23,7 @@ STATE_NAME = "hfa"
 
 
 class AttnScaleState(nn.Module):
-    """Per-attention-module patch state: the config and the learnable exit / SSMax parameters.
+    """Per-attention-module patch state: the config and the learnable exit / SSMax / clipping / gate parameters.
 
     Being a child module named ``hfa``, its parameters appear as ``...self_attn.hfa.sink`` and
     ``...self_attn.hfa.ssmax`` in the state dict, so ``save_pretrained`` writes them, and PEFT can train them
@@ -30,7 +31,8 @@ class AttnScaleState(nn.Module):
     hold.) It holds nothing per call: the module is shared by every caller (`hf_attnscale.core.hooks`).
     """
 
-    def __init__(self, config: AttnScaleConfig, num_heads: int):
+    def __init__(self, config: AttnScaleConfig, num_heads: int, gate_features: tuple[int, int] | None = None):
+        """``gate_features``: the gated module's input width and value head dim (needed with ``config.gate``)."""
         super().__init__()
         self.config = config
         self.num_heads = num_heads
@@ -40,12 +42,27 @@ class AttnScaleState(nn.Module):
             if config.scale == "ssmax"
             else None
         )
+        learnable_clip = config.clipped_softmax == "learnable"
+        self.clip_gamma = nn.Parameter(torch.zeros(num_heads)) if learnable_clip else None
+        self.clip_zeta = nn.Parameter(torch.ones(num_heads)) if learnable_clip else None
+        self.output_gate = (
+            make_gate(config.gate, gate_features[0], num_heads, gate_features[1]) if config.gate else None
+        )
 
     def exit_logits(self, device: torch.device) -> torch.Tensor:
         """The exit logit of each head, float32 ``(H,)``."""
         if self.sink is not None:
             return self.sink.float()
         return torch.full((self.num_heads,), self.config.fixed_sink_logit, device=device)
+
+    def clip_bounds(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """γ and ζ of the clipped softmax for each head, float32 ``(H,)`` each."""
+        if self.clip_gamma is not None:
+            return self.clip_gamma.float(), self.clip_zeta.float()
+        gamma, zeta = self.config.clipped_softmax
+        return torch.full((self.num_heads,), gamma, device=device), torch.full(
+            (self.num_heads,), zeta, device=device
+        )
 
     def extra_repr(self) -> str:
         return f"{self.config}"

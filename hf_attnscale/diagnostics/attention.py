@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hf_attnscale.core.attention import visible_keys
 from hf_attnscale.core.config import AttnScaleConfig
 from hf_attnscale.core.hooks import CallHooks, using_hooks
+from hf_attnscale.core.masks import visible_keys
 from hf_attnscale.core.models import backbone, unwrap
 from hf_attnscale.core.offload import run_device
 from hf_attnscale.core.patching import patched

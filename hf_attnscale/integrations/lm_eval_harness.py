@@ -77,7 +77,9 @@ class HFAttnScaleLM(HFLM):
         pretrained: a model path, Hub id, ``builtin:tiny-llama-stdlib`` (the shipped model), the name of a real
             checkpoint (``smollm2-135m``, ``gemma3-270m``: fetched on first use), a path to a ``.gguf`` file, or
             a model object (then also pass ``tokenizer``).
-        scale, train_length, clamp, zero_kv, sink_logit: `hf_attnscale.patch` options. With none of them, a
+        scale, train_length, clamp, zero_kv, sink_logit, beta, clipped_softmax, gate: `hf_attnscale.patch` options
+            (``clipped_softmax`` as ``"GAMMA;ZETA"``, lm-eval's model_args being comma-separated, or
+            ``learnable``). With none of them, a
             checkpoint saved from a patched model (``hf_attnscale`` in its config) is patched as saved, and any
             other model runs as loaded.
         sink_tokens: sink tokens of the streaming cache (default 4 when ``window`` is given; 0: window-only).
@@ -96,6 +98,9 @@ class HFAttnScaleLM(HFLM):
         clamp: bool | None = None,
         zero_kv: bool | None = None,
         sink_logit: float | str | None = None,
+        beta: float | None = None,
+        clipped_softmax: str | tuple[float, float] | None = None,
+        gate: str | None = None,
         sink_tokens: int | None = None,
         window: int | None = None,
         chunk_size: int = 512,
@@ -104,7 +109,14 @@ class HFAttnScaleLM(HFLM):
     ) -> None:
         # Validate everything before the model loads, which can take minutes.
         config = AttnScaleConfig.from_options(
-            scale=scale, train_length=train_length, clamp=clamp, zero_kv=zero_kv, sink_logit=sink_logit
+            scale=scale,
+            train_length=train_length,
+            clamp=clamp,
+            zero_kv=zero_kv,
+            sink_logit=sink_logit,
+            beta=beta,
+            clipped_softmax=_clip_bounds(clipped_softmax),
+            gate=gate,
         )
         settings = cache_settings(sink_tokens, window)
         self.sink_tokens, self.window = settings if settings is not None else (None, None)
@@ -207,6 +219,19 @@ class HFAttnScaleLM(HFLM):
             "window": self.window,
         }
         return info
+
+
+def _clip_bounds(value: str | tuple[float, float] | None) -> str | tuple[float, float] | None:
+    """``clipped_softmax`` from model_args: ``"GAMMA;ZETA"`` (model_args are comma-separated) as a pair."""
+    if not isinstance(value, str) or value == "learnable":
+        return value
+    try:
+        gamma, zeta = (float(part) for part in value.split(";"))
+    except ValueError:
+        raise ValueError(
+            f"clipped_softmax must be GAMMA;ZETA (e.g. -0.03;1) or learnable, got {value!r}."
+        ) from None
+    return gamma, zeta
 
 
 def builtin_dataset(

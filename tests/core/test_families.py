@@ -15,16 +15,21 @@ import functools
 
 import pytest
 import torch
+from conftest import perturb_gate
 from model_zoo import EAGER_ONLY, LOGIT_TOLERANCE, family_types, head_of, reference_of, tiny_model
+from reference import set_gate
 
 import hf_attnscale as hfa
 from hf_attnscale.core.families import rule_for
+from hf_attnscale.core.state import AttnScaleState
 
 TYPES = family_types()
 FEATURES = {
     "logn": {"scale": "logn", "train_length": 2},
     "exit": {"sink_logit": 1.5},
     "logn+exit": {"scale": "logn", "train_length": 2, "zero_kv": True},
+    "clipped": {"clipped_softmax": (-0.03, 1.02)},
+    "gate": {"gate": "element"},
 }
 CASES = [
     (model_type, attn, feature)
@@ -66,6 +71,14 @@ def test_family_matches_the_reference(model_type, attn, feature):
         pytest.skip(f"exit refused: {rule_for(plain).no_exit}")
     patched = hfa.patch(copy.deepcopy(plain), **options)
     reference = reference_of(plain, attn, **options)
+    if "gate" in options:  # off its identity start, the same in both
+        generator = torch.Generator().manual_seed(5)
+        for name, module in patched.named_modules():
+            state = module._modules.get("hfa")
+            if isinstance(state, AttnScaleState):
+                perturb_gate(state.output_gate, generator)
+                gate = state.output_gate
+                set_gate(reference.get_submodule(name).hfa_ref, gate.weight, gate.bias)
     inputs = inputs_for(model_type)
     rows = inputs["attention_mask"].bool()
     with torch.no_grad():

@@ -1,0 +1,86 @@
+"""Which keys each query row sees, from the mask a backend receives (or, without one, from the shapes).
+
+Every backend's conventions: a 2D padding mask (flash), a 4D bool or additive mask (eager, sdpa), a flex
+BlockMask, or none (sdpa's ``is_causal``; causal prefill aligned top-left by sdpa and eager, bottom-right by flash).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def visible_key_counts(
+    q_len: int,
+    k_len: int,
+    mask: torch.Tensor | None,
+    *,
+    causal: bool,
+    sliding_window: int | None = None,
+    bottom_right: bool = False,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Number of keys each query row sees, float32 ``(B or 1, 1 or H, Tq)``.
+
+    ``mask`` is the one the backend receives: None, a 2D padding mask ``(B, Tk)`` (flash), a 4D bool/float
+    mask, or a flex BlockMask. Without a 4D mask, causality and ``sliding_window`` follow the backends' own
+    conventions: sdpa and eager align a causal prefill top-left, flash aligns bottom-right (queries are the
+    last ``Tq`` keys).
+    """
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        mask = _dense_block_mask(mask, q_len, k_len)
+    if mask is not None and mask.dim() == 4:
+        return _as_bool(mask).sum(-1, dtype=torch.float32)
+    lo, hi = _visible_range(q_len, k_len, mask, causal, sliding_window, bottom_right, device)
+    if mask is None:
+        return (hi - lo).float().view(1, 1, q_len)
+    # 2D padding mask: count the valid keys inside each query's [lo, hi) with a prefix sum.
+    prefix = torch.nn.functional.pad(mask.to(torch.int32).cumsum(-1), (1, 0))  # (B, Tk + 1)
+    return (prefix[:, hi] - prefix[:, lo]).float().unsqueeze(1)
+
+
+def visible_keys(
+    q_len: int,
+    k_len: int,
+    mask: torch.Tensor | None,
+    *,
+    causal: bool,
+    sliding_window: int | None = None,
+    bottom_right: bool = False,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Which keys each query row sees, bool ``(B or 1, 1 or H, Tq, Tk)``: `visible_key_counts` before the sum."""
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        mask = _dense_block_mask(mask, q_len, k_len)
+    if mask is not None and mask.dim() == 4:
+        return _as_bool(mask)[..., :k_len]
+    lo, hi = _visible_range(q_len, k_len, mask, causal, sliding_window, bottom_right, device)
+    keys = torch.arange(k_len, device=lo.device)
+    visible = ((keys >= lo[:, None]) & (keys < hi[:, None])).view(1, 1, q_len, k_len)
+    return visible if mask is None else visible & mask.bool()[:, None, None, :]
+
+
+def _as_bool(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+
+
+def _visible_range(q_len, k_len, mask, causal, sliding_window, bottom_right, device):
+    """``[lo, hi)``: the key positions each query may see, before padding ``(Tq,)`` each."""
+    device = mask.device if mask is not None else device
+    q_pos = torch.arange(q_len, device=device)
+    if causal and (bottom_right or q_len == 1 or mask is not None):
+        q_pos = q_pos + (k_len - q_len)  # queries are the last q_len keys
+    if causal:
+        hi = (q_pos + 1).clamp_max(k_len)
+        lo = (hi - sliding_window).clamp_min(0) if sliding_window else torch.zeros_like(hi)
+    else:
+        hi = (q_pos + sliding_window).clamp_max(k_len) if sliding_window else torch.full_like(q_pos, k_len)
+        lo = (q_pos - sliding_window + 1).clamp_min(0) if sliding_window else torch.zeros_like(q_pos)
+    return lo, hi
+
+
+def _dense_block_mask(block_mask, q_len: int, k_len: int) -> torch.Tensor:
+    # Only flex models need it, and importing flex_attention costs ~0.3 s: imported on first use.
+    from torch.nn.attention.flex_attention import create_mask
+
+    batch = block_mask.kv_num_blocks.shape[0]
+    return create_mask(block_mask.mask_mod, batch, 1, q_len, k_len, device=block_mask.kv_num_blocks.device)
