@@ -13,8 +13,10 @@ Two formulations, both plain attention that PyTorch differentiates by itself:
 
   Without a mask, a causal call stays square and ``is_causal``: a dummy query row goes first, so row i + 1
   sees the exit and keys 0..i (sdpa's top-left alignment), and the dummy row (which sees only the exit) is
-  dropped. With a mask, the exit is one more visible column. No mask is made where the model had none, and
-  a per-head learnable sink costs two channels, never a column per head: memory stays O(T·W) per head.
+  dropped. With a mask, the exit is one more visible column; the queries then go in chunks of at most
+  `MASK_CHUNK` mask entries, so the widened copy of the mask (and the float copy sdpa makes of a bool one) is
+  a chunk's, never the whole mask's. No mask is made where the model had none, and a per-head learnable sink
+  costs two channels, never a column per head: memory stays O(T·W) per head.
 * `extra_key_attention`, for the eager backend: a zero key and value first, whose logit comes from a mask
   column, so the family's own eager maths (soft-capping, sinks, biases) runs on the keys and never on the exit.
 
@@ -28,6 +30,8 @@ import torch
 import torch.nn.functional as F
 
 EXIT_CHANNELS = 2  # the logit in two parts: hi = round(s / scale), lo = the rest
+MASK_CHUNK = 2**25
+"""Mask entries per call with a mask (queries × keys): 32 MiB of a bool mask, 2,048 queries at 16k keys."""
 
 
 def width_multiple(device: torch.device) -> int:
@@ -67,11 +71,19 @@ def sdpa_exit_attention(backend_fn, module, query, key, value, mask, exit_logits
     key = F.pad(key, (0, width - dim, 1, 0))
     key[:, :, 0, dim : dim + EXIT_CHANNELS] = 1
     value = F.pad(value, (0, width - dim_v, 1, 0))
-    if mask is not None:
-        mask = mask[..., : key.shape[2] - 1]
-        mask = F.pad(mask, (1, 0), value=True if mask.dtype == torch.bool else 0.0)
-    out, _ = backend_fn(module, query, key, value, mask, scaling=scaling, **kwargs)
-    return out[:, dummy:, :, :dim_v].contiguous()
+    if mask is None:
+        out, _ = backend_fn(module, query, key, value, None, scaling=scaling, **kwargs)
+        return out[:, dummy:, :, :dim_v].contiguous()
+    mask = mask[..., : key.shape[2] - 1]
+    visible = True if mask.dtype == torch.bool else 0.0
+    rows = max(1, MASK_CHUNK // key.shape[2])
+    outs = []
+    for start in range(0, q_len, rows):
+        part = slice(start, start + rows)
+        chunk_mask = F.pad(mask[..., part, :] if mask.shape[-2] > 1 else mask, (1, 0), value=visible)
+        out, _ = backend_fn(module, query[:, :, part], key, value, chunk_mask, scaling=scaling, **kwargs)
+        outs.append(out[..., :dim_v])
+    return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0].contiguous()
 
 
 def extra_key_attention(backend_fn, module, query, key, value, mask, exit_logits, causal, **kwargs):

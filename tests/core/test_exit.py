@@ -65,15 +65,17 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("multiple", [1, 8])
+@pytest.mark.parametrize(("multiple", "chunk"), [(1, exit.MASK_CHUNK), (8, exit.MASK_CHUNK), (1, 40)])
 @pytest.mark.parametrize("head_dim", [8, 64, 61])
 @pytest.mark.parametrize(("causal", "q_len", "k_len", "mask_kind"), SHAPES)
 def test_exit_through_sdpa_matches_reference(
-    causal, q_len, k_len, mask_kind, head_dim, multiple, monkeypatch
+    causal, q_len, k_len, mask_kind, head_dim, multiple, chunk, monkeypatch
 ):
     """Forward and backward (q, k, v, the per-head sink and a learnable mask) against the reference, fp32, at
-    the CPU's width (D + 2) and at the accelerators' (a multiple of 8)."""
+    the CPU's width (D + 2) and at the accelerators' (a multiple of 8), the queries with a mask in one call
+    and in chunks of 3 (40 mask entries over 13 keys)."""
     monkeypatch.setattr(exit, "width_multiple", lambda device: multiple)
+    monkeypatch.setattr(exit, "MASK_CHUNK", chunk)
     generator = torch.Generator().manual_seed(head_dim + q_len)
     q = torch.randn(2, 4, q_len, head_dim, generator=generator) * 2
     k, v = (torch.randn(2, 2, k_len, head_dim, generator=generator) for _ in range(2))
