@@ -16,6 +16,7 @@ Sections (`real/`):
   dense      dense past the trained length: unchanged, logn, dynamic NTK, YaRN, and logn on each (Qwen's table);
   outliers   sink heads, kurtosis and the largest activations, and what W8A8 costs with and without the sinks;
   finetune   an exit fine-tuned into SmolLM2 with LoRA (learnable sink, zero_kv, neither): does it replace sinks?
+  retrofit   Bondarenko et al.'s Table 2 as a retrofit: every cure (exits, clipped softmax, gates) fine-tuned in
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from real import dense, finetune, million, outliers, streams
+from real import dense, finetune, million, outliers, retrofit, streams
 from real.context import TRAINED_LENGTH, Context
 from real.texts import TEXTS
 
@@ -40,6 +41,7 @@ SECTIONS: dict[str, Callable[[Context], str]] = {
     "dense": dense.run,
     "outliers": outliers.run,
     "finetune": finetune.run,
+    "retrofit": retrofit.run,
 }
 
 

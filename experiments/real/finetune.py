@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -75,20 +76,31 @@ def measure(model: torch.nn.Module, heldout: torch.Tensor) -> dict:
     return numbers
 
 
-def fine_tune(context: Context, label: str, options: dict | None, heldout: torch.Tensor, steps: int) -> dict:
-    """One run: the numbers before and after ``steps`` steps, the losses, and the seconds taken."""
+def fine_tune(
+    context: Context,
+    label: str,
+    options: dict | None,
+    heldout: torch.Tensor,
+    steps: int,
+    seed: int = SEED,
+    measure: Callable[[torch.nn.Module, torch.Tensor], dict] = measure,
+    measure_before: bool = True,
+    patch_lr: float = PATCH_LR,
+) -> dict:
+    """One run: the numbers (``measure``) before (if ``measure_before``) and after ``steps`` steps from ``seed``,
+    the losses, the seconds."""
     model = hfa.patch(context.load(MODEL), **(options or {}))
-    before = measure(model, heldout)
-    torch.manual_seed(SEED)
+    before = measure(model, heldout) if measure_before else None
+    torch.manual_seed(seed)
     peft_model = get_peft_model(model, hfa.lora_config(model, r=RANK, lora_alpha=2 * RANK))
     patch_params = [p for _, p in hfa.trainable_parameters(peft_model)]
     patch_ids = {id(p) for p in patch_params}
     lora_params = [p for p in peft_model.parameters() if p.requires_grad and id(p) not in patch_ids]
     groups = [{"params": lora_params, "lr": LR}] + (
-        [{"params": patch_params, "lr": PATCH_LR}] if patch_params else []
+        [{"params": patch_params, "lr": patch_lr}] if patch_params else []
     )
     optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
-    docs, generator = training_docs(context), torch.Generator().manual_seed(SEED)
+    docs, generator = training_docs(context), torch.Generator().manual_seed(seed)
     peft_model.train()
     losses, started = [], time.perf_counter()
     for _ in tqdm(range(steps), desc=label, mininterval=30):
@@ -101,7 +113,9 @@ def fine_tune(context: Context, label: str, options: dict | None, heldout: torch
     seconds = time.perf_counter() - started
     merged = peft_model.merge_and_unload()
     after = measure(merged, heldout)
-    sinks = [p.detach().flatten().tolist() for p in patch_params]
+    sinks = [
+        p.detach().flatten().tolist() for p in patch_params if p.numel() < 1000
+    ]  # not the gates' weights
     return {"before": before, "after": after, "losses": losses, "seconds": seconds, "sink_logits": sinks}
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from hf_attnscale.core.gate import gate_input
 from hf_attnscale.core.hooks import CallHooks
 from hf_attnscale.core.routing import cache_argument, forward_with_hooks, rotary_of
 from hf_attnscale.core.state import state_of
@@ -536,7 +537,8 @@ class SinkCache(Cache):
         }
         try:
             if write.keys_rotated:
-                return type(module).forward(module, **arguments)
+                with gate_input(module, hidden_states):
+                    return type(module).forward(module, **arguments)
             return forward_with_hooks(module, _pos_shift_hooks(plan.mode, rope, rotations), **arguments)
         finally:
             self._call.pending = None

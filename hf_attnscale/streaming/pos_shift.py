@@ -17,6 +17,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from hf_attnscale.core.families import attention_modules, rule_for, takes_position_embeddings
+from hf_attnscale.core.gate import gate_input
 from hf_attnscale.core.models import unwrap
 from hf_attnscale.core.routing import cache_argument, rotary_of
 from hf_attnscale.core.state import get_config
@@ -130,7 +131,7 @@ def _rotates(module: nn.Module, hidden_states, position_embeddings, identity, ex
         turned,
     ):
         recorder = DynamicCache()
-        with torch.no_grad():
+        with torch.no_grad(), gate_input(module, probe):
             type(module).forward(
                 module,
                 hidden_states=probe,

@@ -90,12 +90,18 @@ def test_a_gated_model_streams_in_chunks_as_token_by_token():
             with torch.no_grad():
                 module.output_gate.bias.copy_(torch.randn(module.output_gate.bias.shape, generator=gen))
     ids = torch.randint(2, 90, (1, 150), generator=gen)
+    fresh = copy.deepcopy(
+        model
+    )  # its first stream starts with a chunk (a layer's RoPE probe then sees 2 of 64)
     with torch.no_grad():
+        nll = hfa.perplexity(fresh, ids[0], cache=hfa.SinkCache(4, 40), chunk_size=64, progress=False).nll
         token_by_token = stream_logits(model, ids, hfa.SinkCache(4, 40), [1])
         chunked = stream_logits(model, ids, hfa.SinkCache(4, 40), [64, 7, 1, 100])
         ungated = stream_logits(hfa.patch(hfa.unpatch(copy.deepcopy(model))), ids, hfa.SinkCache(4, 40), [64])
     torch.testing.assert_close(chunked, token_by_token, atol=1e-4, rtol=0)
     assert (chunked - ungated).abs().max() > 1e-2, "the gate did nothing while streaming"
+    want = torch.nn.functional.cross_entropy(token_by_token[0, :-1], ids[0, 1:], reduction="none")
+    torch.testing.assert_close(nll, want, atol=1e-4, rtol=0)
 
 
 def test_unpatch_takes_the_hooks_off():
