@@ -232,3 +232,27 @@ def test_patch_without_options_keeps_a_live_patch_and_its_trained_values():
     assert hfa.patch(model) is model
     assert model.model.layers[0].self_attn.hfa.sink is sink
     assert torch.equal(sink, torch.full((4,), 0.7))
+
+
+def test_every_patch_option_reaches_the_api_the_cli_and_lm_eval():
+    """One declaration (`AttnScaleConfig`'s fields): each option is a keyword of hfa.patch, a flag of the CLI that
+    `patch_options` passes on, and a model_arg of the lm-eval model type (validated before any model loads)."""
+    import argparse
+    import inspect
+
+    from hf_attnscale.core.config import OPTION_NAMES
+    from hf_attnscale.patch_flags import add_patch_arguments, patch_options
+
+    assert set(OPTION_NAMES) <= set(inspect.signature(hfa.patch).parameters)
+    parser = argparse.ArgumentParser()
+    add_patch_arguments(parser, "patch")
+    flags = "--scale llama4 --train-length 8 --clamp --beta 0.2 --sink-logit learnable --gate head"
+    options = patch_options(parser.parse_args(flags.split()))
+    assert set(options) == set(OPTION_NAMES) - {"zero_kv", "clipped_softmax"}
+    clipped = patch_options(parser.parse_args(["--clipped-softmax=-0.03,1"]))
+    assert clipped == {"clipped_softmax": (-0.03, 1.0)} and "zero_kv" in {a.dest for a in parser._actions}
+    lm_eval = pytest.importorskip("hf_attnscale.integrations.lm_eval_harness")
+    for name in OPTION_NAMES:
+        bad = {"clipped_softmax": "big", "train_length": 1, "scale": "cube"}.get(name, "not-an-option")
+        with pytest.raises(ValueError, match=name if name != "train_length" else "scale"):
+            lm_eval.HFAttnScaleLM(pretrained="no-such-model", **{name: bad})

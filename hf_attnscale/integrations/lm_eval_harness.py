@@ -32,7 +32,7 @@ from lm_eval.models.huggingface import HFLM
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
-from hf_attnscale.core.config import AttnScaleConfig, read_saved_config
+from hf_attnscale.core.config import OPTION_NAMES, AttnScaleConfig, read_saved_config
 from hf_attnscale.core.loading import from_pretrained
 from hf_attnscale.core.patching import patch
 from hf_attnscale.core.state import get_config
@@ -93,14 +93,6 @@ class HFAttnScaleLM(HFLM):
     def __init__(
         self,
         pretrained: Any,
-        scale: str | None = None,
-        train_length: int | None = None,
-        clamp: bool | None = None,
-        zero_kv: bool | None = None,
-        sink_logit: float | str | None = None,
-        beta: float | None = None,
-        clipped_softmax: str | tuple[float, float] | None = None,
-        gate: str | None = None,
         sink_tokens: int | None = None,
         window: int | None = None,
         chunk_size: int = 512,
@@ -108,16 +100,10 @@ class HFAttnScaleLM(HFLM):
         **kwargs: Any,
     ) -> None:
         # Validate everything before the model loads, which can take minutes.
-        config = AttnScaleConfig.from_options(
-            scale=scale,
-            train_length=train_length,
-            clamp=clamp,
-            zero_kv=zero_kv,
-            sink_logit=sink_logit,
-            beta=beta,
-            clipped_softmax=_clip_bounds(clipped_softmax),
-            gate=gate,
-        )
+        options = {name: kwargs.pop(name) for name in OPTION_NAMES if name in kwargs}
+        if "clipped_softmax" in options:
+            options["clipped_softmax"] = _clip_bounds(options["clipped_softmax"])
+        config = AttnScaleConfig.from_options(**options)
         settings = cache_settings(sink_tokens, window)
         self.sink_tokens, self.window = settings if settings is not None else (None, None)
         self.chunk_size = check_int("chunk_size", chunk_size, 1)
