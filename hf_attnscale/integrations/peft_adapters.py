@@ -8,12 +8,14 @@
 
 What each patch option means for fine-tuning:
 
-==============================  ===========================================================================
-``sink_logit="learnable"``      per-head sink logits (``hfa.sink``), trained and saved with the adapter
-``scale="ssmax"``               per-head SSMax slopes (``hfa.ssmax``), trained and saved with the adapter
-``scale="logn"``/``"gradmax"``  no parameters: a fixed function of n; LoRA adapts the model around it
-``zero_kv`` / a float sink      no parameters: a fixed exit
-==============================  ===========================================================================
+=================================  ===========================================================================
+``sink_logit="learnable"``         per-head sink logits (``hfa.sink``), trained and saved with the adapter
+``scale="ssmax"``                  per-head SSMax slopes (``hfa.ssmax``), trained and saved with the adapter
+``clipped_softmax="learnable"``    per-head clip bounds (``hfa.clip_gamma``, ``hfa.clip_zeta``), likewise
+``gate="head"`` / ``"element"``    the gate's projection (``hfa.output_gate``), likewise; it starts at 1
+the other scales                   no parameters: a fixed function of n; LoRA adapts the model around it
+``zero_kv`` / a float sink         no parameters: a fixed exit
+=================================  ===========================================================================
 
 ``lora_config(model, train_patch=False)`` freezes the patch's parameters. Whatever the options, the adapter
 records them (``attn_scale.json``), and `load_adapter` refuses a model patched differently.
