@@ -132,14 +132,22 @@ def rule_for(model: nn.Module | Any) -> Rule:
     return RULES.get(getattr(config, "model_type", None), Rule())
 
 
-def query_heads(module: nn.Module, model_config: Any) -> int:
-    """The number of query heads of an attention module (the size of its per-head sink / SSMax parameters)."""
+def _module_size(module: nn.Module, model_config: Any, names: tuple[str, ...]) -> int | None:
+    """The first positive int among ``names`` on the module, then its config, then the model's config."""
     for source in (module, getattr(module, "config", None), model_config):
-        for name in HEAD_COUNT_NAMES:
+        for name in names:
             value = getattr(source, name, None)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value
-    raise ValueError(f"Cannot find the number of attention heads of {type(module).__name__}.")
+    return None
+
+
+def query_heads(module: nn.Module, model_config: Any) -> int:
+    """The number of query heads of an attention module (the size of its per-head sink / SSMax parameters)."""
+    heads = _module_size(module, model_config, HEAD_COUNT_NAMES)
+    if heads is None:
+        raise ValueError(f"Cannot find the number of attention heads of {type(module).__name__}.")
+    return heads
 
 
 def gate_features(module: nn.Module, model_config: Any) -> tuple[int, int]:
@@ -147,13 +155,10 @@ def gate_features(module: nn.Module, model_config: Any) -> tuple[int, int]:
     first projection's (MobileBERT's attention runs on a bottleneck narrower than the model)."""
     first = next((m for m in module.modules() if isinstance(m, nn.Linear)), None)
     width = first.in_features if first is not None else model_config.hidden_size
-    heads = query_heads(module, model_config)
-    for source in (module, getattr(module, "config", None), model_config):
-        for name in ("v_head_dim", "head_dim", "attention_head_size", "head_size"):
-            value = getattr(source, name, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return width, value
-    return width, model_config.hidden_size // heads
+    head_dim = _module_size(
+        module, model_config, ("v_head_dim", "head_dim", "attention_head_size", "head_size")
+    )
+    return width, head_dim or model_config.hidden_size // query_heads(module, model_config)
 
 
 def takes_position_embeddings(module: nn.Module) -> bool:
