@@ -131,7 +131,8 @@ def plot_retrofit(results: dict[str, list[dict]], path: Path) -> None:
     for i, m in enumerate(measures):
         values = [np.mean([r[m] for r in results[label]]) for label in labels]
         axes[1].bar([k + (i - 1) * width for k in range(len(labels))], values, width, label=m)
-    axes[1].set_xticks(range(len(labels)), [label.replace(" (", "\n(") for label in labels], fontsize=7)
-    axes[1].set(ylabel="held-out perplexity", title="what each cure costs and buys")
+    axes[1].set_xticks(range(len(labels)), [label.replace(" ", "\n", 1) for label in labels], fontsize=7)
+    axes[1].set_yscale("log")  # a cure that breaks the model must not flatten the others' bars
+    axes[1].set(ylabel="held-out perplexity (log scale)", title="what each cure costs and buys")
     axes[1].legend(fontsize=7)
     save(fig, path)
