@@ -62,9 +62,20 @@ SHAPES = {
 """Model shapes: the CPU benchmark's small Llama, and Llama-3.2-1B's for the GPU (issue #12)."""
 
 
+REAL = ("smollm2-135m",)
+"""Real checkpoints `--shape` also takes (fetched with `hfa.fetch` on first use)."""
+
+
 def build_model(
     device: str, dtype: torch.dtype, shape: str = "llama-8x512", attn: str = "sdpa"
 ) -> LlamaForCausalLM:
+    if shape in REAL:
+        from transformers import AutoModelForCausalLM
+
+        path = str(hfa.fetch(shape))
+        return hfa.from_pretrained(AutoModelForCausalLM, path, dtype=dtype, attn_implementation=attn).to(
+            device
+        )
     torch.manual_seed(0)
     config = LlamaConfig(**SHAPES[shape])
     return LlamaForCausalLM._from_config(config, attn_implementation=attn, dtype=dtype).to(device)
@@ -158,7 +169,12 @@ def main() -> None:
     parser.add_argument("--lengths", default="512,2048,8192")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--shape", choices=SHAPES, default="llama-8x512", help="the model's shape")
+    parser.add_argument(
+        "--shape",
+        choices=[*SHAPES, *REAL],
+        default="llama-8x512",
+        help="the model's shape, or a real checkpoint",
+    )
     parser.add_argument(
         "--attn", default="sdpa", help="attention backend (sdpa, flash_attention_2, flex_attention)"
     )
