@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -34,6 +35,10 @@ import hf_attnscale as hfa
 from hf_attnscale.core.families import attention_modules
 from hf_attnscale.evaluation.corpus import builtin_documents
 from hf_attnscale.training.lm import train_tokenizer
+
+# The suite proves the exit's public formulation, the one every device runs; the CPU's fused kernel (on by
+# default for users) has its own tests, which turn it on (tests/core/test_fused_exit.py).
+os.environ.setdefault("HF_ATTNSCALE_FUSED_EXIT", "0")
 
 # Tiny models gain nothing from a second thread, and oversubscribed cores make them many times slower.
 torch.set_num_threads(1)

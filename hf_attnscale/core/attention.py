@@ -23,7 +23,8 @@ from torch import nn
 
 from .clipped import clipped_softmax_attention
 from .compat import create_position_bias_mask
-from .exit import combined_exit_logits, extra_key_attention, sdpa_exit_attention
+from .exit import combined_exit_logits, extra_key_attention
+from .fused_exit import exit_attention
 from .gate import apply_gate
 from .hooks import CallHooks
 from .laws import query_multiplier
@@ -116,7 +117,7 @@ def _attend(backend, backend_fn, module, query, key, value, attention_mask, exit
             kwargs.pop("position_bias"), attention_mask, causal, query, key
         )
     if backend == "sdpa":
-        out = sdpa_exit_attention(
+        out = exit_attention(
             backend_fn, module, query, key, value, attention_mask, exit_logits, causal, **kwargs
         )
         return out, None

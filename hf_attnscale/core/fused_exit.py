@@ -1,0 +1,206 @@
+"""A faster exit for the CPU, guarded: PyTorch's CPU flash kernel at the model's own width, its log-sum-exp
+turned into the exit.
+
+The public formulation (`hf_attnscale.core.exit.sdpa_exit_attention`) widens every head by two channels, which
+the CPU kernel pays for in full (about 8% of attention time at width 64, 12% at 8k tokens). Here the kernel runs
+unwidened and returns ``lse``, the log-sum-exp of the real keys' scores; one more key of value zero and logit
+``s`` then scales each row by ``w = σ(lse − s)``::
+
+    y = o · w
+
+Backward is the kernel's own, fed ``y`` for its output and ``w·dy`` for its gradient: the kernel's row term
+``D = rowsum(dO·O)`` becomes ``w²·rowsum(dy·o)``, which is exactly ``D`` less the gradient that reaches the
+scores through ``lse``; the sink's gradient is ``−Σ rowsum(dy·y)·(1 − w)``.
+
+The kernel is private, so nothing is trusted unchecked: each combination it would serve (dtype, head dim, heads
+and key-value heads, mask kind, causal, one query or many, batch) is run once, at its first use, forward and
+backward on a small input against the public formulation. A mismatch or an error gives one warning, and that
+combination takes the public formulation for the rest of the process. ``HF_ATTNSCALE_FUSED_EXIT=0`` turns the
+fused path off. Everything else (accelerators, autocast, dropout, a learnable mask, a soft-cap, head dims that
+differ) takes the public formulation directly.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import warnings
+from types import SimpleNamespace
+
+import torch
+from transformers.integrations.sdpa_attention import repeat_kv
+
+from .exit import sdpa_exit_attention
+
+ENV_SWITCH = "HF_ATTNSCALE_FUSED_EXIT"
+
+
+def _flash_forward(query, key, value, is_causal, mask, scale):
+    """The kernel: ``(output (B, H, Tq, D), log-sum-exp (B, H, Tq))`` over the real keys."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, is_causal, attn_mask=mask, scale=scale
+    )
+
+
+def _flash_backward(grad_out, query, key, value, out, lse, is_causal, mask, scale):
+    """The kernel's backward: ``(grad_query, grad_key, grad_value)``."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, query, key, value, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale
+    )
+
+
+class _FlashExit(torch.autograd.Function):
+    """``y = o · σ(lse − s)`` with the kernel's forward and backward; q/k/v ``(B, H, T, D)``, s ``(H,)``."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, exit_logits, mask, is_causal, scale):
+        out, lse = _flash_forward(query, key, value, is_causal, mask, scale)
+        weight = torch.sigmoid(lse.float() - exit_logits.float().view(1, -1, 1)).unsqueeze(-1)
+        result = (out.float() * weight).to(out.dtype)
+        ctx.save_for_backward(query, key, value, result, lse, weight, mask)
+        ctx.is_causal, ctx.scale = is_causal, scale
+        return result
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, value, result, lse, weight, mask = ctx.saved_tensors
+        grad_exit = None
+        if ctx.needs_input_grad[3]:
+            rows = (grad.float() * result.float()).sum(-1, keepdim=True)
+            grad_exit = -(rows * (1 - weight)).sum((0, 2, 3))
+        grads = (None, None, None)
+        if any(ctx.needs_input_grad[:3]):
+            scaled = (grad.float() * weight).to(grad.dtype)
+            grads = _flash_backward(scaled, query, key, value, result, lse, ctx.is_causal, mask, ctx.scale)
+        return *grads, grad_exit, None, None, None
+
+
+_verdicts: dict[tuple, bool] = {}
+_lock = threading.Lock()
+
+
+def exit_attention(backend_fn, module, query, key, value, mask, exit_logits, causal, **kwargs):
+    """The exit under sdpa: the fused CPU kernel where it serves and has passed its check, else the public
+    formulation (`sdpa_exit_attention`); arguments and result as there."""
+    combination = _combination(module, query, key, value, mask, causal, kwargs)
+    if combination is None or not _passes(combination, backend_fn, module, kwargs):
+        return sdpa_exit_attention(backend_fn, module, query, key, value, mask, exit_logits, causal, **kwargs)
+    return fused_exit_attention(module, query, key, value, mask, exit_logits, causal, kwargs.get("scaling"))
+
+
+def fused_exit_attention(module, query, key, value, mask, exit_logits, causal, scaling=None):
+    """The exit through the CPU kernel, unchecked; ``(B, Tq, H, D)`` like `sdpa_exit_attention`."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    if mask is not None:
+        mask = mask[..., : key.shape[2]]
+        if mask.dtype == torch.bool:  # the finite minimum, so a row with no visible key gets w = 0, never NaN
+            mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill_(
+                ~mask, torch.finfo(query.dtype).min
+            )
+        mask = mask.to(query.dtype)
+    is_causal = bool(causal and mask is None and query.shape[2] > 1)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out = _FlashExit.apply(query, key, value, exit_logits, mask, is_causal, scaling)
+    return out.transpose(1, 2).contiguous()
+
+
+def _combination(module, query, key, value, mask, causal, kwargs) -> tuple | None:
+    """What the check must cover for this call, or None where the fused path does not serve it."""
+    if (
+        query.device.type != "cpu"
+        or os.environ.get(ENV_SWITCH, "1") == "0"
+        or torch.is_autocast_enabled("cpu")
+        or kwargs.get("dropout", 0.0)
+        or kwargs.get("softcap") is not None
+        or query.shape[-1] != value.shape[-1]
+        or query.dtype != key.dtype
+        or (mask is not None and (mask.requires_grad or mask.dim() != 4))
+    ):
+        return None
+    mask_kind = (
+        None if mask is None else (str(mask.dtype), mask.shape[0] > 1, mask.shape[1] > 1, mask.shape[2] > 1)
+    )
+    q_len, k_len = query.shape[2], key.shape[2]
+    queries = "one" if q_len == 1 else ("square" if q_len == k_len else "more keys")
+    return (
+        str(query.dtype),
+        query.shape[-1],
+        query.shape[1],
+        key.shape[1],
+        mask_kind,
+        bool(causal),
+        queries,
+        query.shape[0] > 1,
+    )
+
+
+def _passes(combination: tuple, backend_fn, module, kwargs) -> bool:
+    """Whether ``combination`` has passed its first-use check (running it now if it has not run)."""
+    verdict = _verdicts.get(combination)
+    if verdict is None:
+        with _lock:
+            verdict = _verdicts.get(combination)
+            if verdict is None:
+                reason = _check(combination, backend_fn, module, kwargs.get("scaling"))
+                verdict = _verdicts[combination] = reason is None
+                if reason is not None:
+                    warnings.warn(
+                        f"hf_attnscale: the fused CPU exit failed its check for {combination} ({reason}); that "
+                        f"combination uses the public sdpa formulation from now on ({ENV_SWITCH}=0 skips the check).",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+    return verdict
+
+
+def _check(combination: tuple, backend_fn, module, scaling) -> str | None:
+    """Run ``combination`` fused and public on a small sharp input, forward and backward; None if they agree."""
+    dtype_name, dim, heads, kv_heads, mask_kind, causal, queries, batched = combination
+    dtype = getattr(torch, dtype_name.removeprefix("torch."))
+    generator = torch.Generator().manual_seed(0)
+    batch = 2 if batched else 1
+    q_len, k_len = {"one": (1, 7), "square": (6, 6), "more keys": (5, 8)}[queries]
+
+    def sample(*shape, spread=1.0):
+        return (torch.randn(*shape, generator=generator) * spread).to(dtype).requires_grad_()
+
+    query = sample(batch, heads, q_len, dim, spread=3 / math.sqrt(math.sqrt(dim)))
+    key = sample(batch, kv_heads, k_len, dim, spread=3 / math.sqrt(math.sqrt(dim)))
+    value = sample(batch, kv_heads, k_len, dim)
+    exit_logits = (torch.linspace(-1.0, 3.0, heads) + math.log(k_len)).requires_grad_()
+    mask = None
+    if mask_kind is not None:
+        mask_dtype, per_batch, per_head, per_query = mask_kind
+        shape = (batch if per_batch else 1, heads if per_head else 1, q_len if per_query else 1, k_len)
+        visible = torch.rand(shape, generator=generator) < 0.7
+        visible[..., 0] = True
+        if per_query and q_len > 1:
+            visible[..., -1, :] = False  # a row that sees nothing but the exit
+        mask_type = getattr(torch, mask_dtype.removeprefix("torch."))
+        if mask_type != torch.bool:
+            mask = torch.zeros(shape, dtype=mask_type).masked_fill_(~visible, torch.finfo(mask_type).min)
+        else:
+            mask = visible
+    stand_in = SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=causal, training=False)
+    inputs = (query, key, value, exit_logits)
+    try:
+        fused = fused_exit_attention(stand_in, query, key, value, mask, exit_logits, causal, scaling)
+        public = sdpa_exit_attention(
+            backend_fn, stand_in, query, key, value, mask, exit_logits, causal, scaling=scaling
+        )
+        cotangent = torch.randn(public.shape, generator=generator).to(dtype)
+        fused_grads = torch.autograd.grad(fused, inputs, cotangent)
+        public_grads = torch.autograd.grad(public, inputs, cotangent)
+    except Exception as error:  # any failure of the kernel means: do not use it
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    for name, a, b in zip(
+        ("output", "dq", "dk", "dv", "dsink"), (fused, *fused_grads), (public, *public_grads)
+    ):
+        scale = b.float().abs().max().item() + 1e-6
+        error = (a.float() - b.float()).abs().max().item() / scale
+        if not error <= tolerance:  # NaN fails too
+            return f"{name} differs by {error:.2g} of its size"
+    return None
