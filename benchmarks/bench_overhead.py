@@ -27,13 +27,18 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_attnscale as hfa
+from hf_attnscale.core.fused_exit import ENV_SWITCH
 
 VARIANTS = {
     "unpatched": None,
     "logn": {"scale": "logn", "train_length": 512},
     "logn+zero_kv": {"scale": "logn", "train_length": 512, "zero_kv": True},
     "logn+sink": {"scale": "logn", "train_length": 512, "sink_logit": "learnable"},
+    "logn+zero_kv public": {"scale": "logn", "train_length": 512, "zero_kv": True},
 }
+PUBLIC = {"logn+zero_kv public"}
+"""Variants whose exit takes the public formulation, as on accelerators (the CPU's fused kernel switched off);
+the others take what a user gets on this device."""
 
 
 SHAPES = {
@@ -83,6 +88,7 @@ def build_model(
 
 def apply_variant(model: LlamaForCausalLM, name: str) -> None:
     hfa.unpatch(model)
+    os.environ[ENV_SWITCH] = "0" if name in PUBLIC else "1"
     if VARIANTS[name] is not None:
         hfa.patch(model, **VARIANTS[name])
 

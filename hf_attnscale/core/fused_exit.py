@@ -57,7 +57,7 @@ class _FlashExit(torch.autograd.Function):
     def forward(ctx, query, key, value, exit_logits, mask, is_causal, scale):
         out, lse = _flash_forward(query, key, value, is_causal, mask, scale)
         weight = torch.sigmoid(lse.float() - exit_logits.float().view(1, -1, 1)).unsqueeze(-1)
-        result = (out.float() * weight).to(out.dtype)
+        result = out.mul_(weight) if out.dtype == weight.dtype else (out.float() * weight).to(out.dtype)
         ctx.save_for_backward(query, key, value, result, lse, weight, mask)
         ctx.is_causal, ctx.scale = is_causal, scale
         return result
@@ -143,7 +143,8 @@ def _passes(combination: tuple, backend_fn, module, kwargs) -> bool:
         with _lock:
             verdict = _verdicts.get(combination)
             if verdict is None:
-                reason = _check(combination, backend_fn, module, kwargs.get("scaling"))
+                with torch.inference_mode(False), torch.enable_grad():  # the caller may be in either
+                    reason = _check(combination, backend_fn, module, kwargs.get("scaling"))
                 verdict = _verdicts[combination] = reason is None
                 if reason is not None:
                     warnings.warn(

@@ -109,6 +109,17 @@ def test_the_checked_path_serves_and_remembers_its_verdict(fused):
     assert len(fused_exit._verdicts) == 2
 
 
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_the_check_runs_inside_no_grad_and_inference_mode(context, fused):
+    """Evaluation runs without autograd; the check (which needs gradients) passes there too."""
+    q, k, v = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    with warnings.catch_warnings(), context():
+        warnings.simplefilter("error")
+        got = call(q, k, v, None, SINKS, True)
+    assert list(fused_exit._verdicts.values()) == [True]
+    torch.testing.assert_close(got, exit_through_sdpa(q, k, v, None, SINKS, True, 0.3), atol=1e-5, rtol=1e-5)
+
+
 def _lse_off_by_ln2(kernel):
     def faulty(*args):
         out, lse = kernel(*args)
