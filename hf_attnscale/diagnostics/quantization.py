@@ -4,7 +4,8 @@ Bondarenko et al. (2023) measure outliers by what they cost under quantisation: 
 a per-tensor scale so coarse that every ordinary value rounds to a handful of levels. `fake_quantized`
 simulates that in floating point, on every `nn.Linear` of the model:
 
-* weights: symmetric int8, one scale per output channel (``absmax / 127``), quantised once on entry;
+* weights: symmetric int8, one scale per output channel (``absmax / 127``), quantised at each call (so that a
+  weight accelerate offloads, on ``meta`` between calls, is quantised as loaded);
 * inputs: symmetric int8 with one scale per tensor, taken from the tensor's own absmax at each call
   (dynamic per-tensor quantisation: the setting in which an outlier costs every other value its precision).
 
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_attnscale.core.offload import forward_slot, set_forward
 from hf_attnscale.validation import check_int
 
 LEVELS = 127
@@ -58,24 +60,30 @@ def fake_quantized(model: nn.Module, keep_first: int = 0) -> Iterator[nn.Module]
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     if not linears:
         raise ValueError(f"{type(model).__name__} has no nn.Linear layer to quantise.")
+    # The forward goes where the module's own goes (under accelerate's hook, if any), and exactly that comes back.
+    saved = [(module, forward_slot(module)) for module in linears]
+    saved = [(module, slot, module.__dict__.get(slot)) for module, slot in saved]
     try:
         for module in linears:
-            module.forward = _w8a8_forward(module, keep_first)
+            set_forward(module, _w8a8_forward(keep_first))
         yield model
     finally:
-        for module in linears:
-            module.__dict__.pop("forward", None)
+        for module, slot, forward in saved:
+            if forward is None:
+                module.__dict__.pop(slot, None)
+            else:
+                module.__dict__[slot] = forward
 
 
-def _w8a8_forward(module: nn.Linear, keep_first: int):
-    weight = quantize_symmetric(module.weight.detach(), dim=0)
+def _w8a8_forward(keep_first: int):
+    """A linear layer's forward with its weight and input quantised (the weight as the call finds it)."""
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
+    def forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if keep_first and x.dim() >= 2:
             kept, rest = x[..., :keep_first, :], x[..., keep_first:, :]
             x = torch.cat([kept, quantize_symmetric(rest)], dim=-2) if rest.numel() else kept
         else:
             x = quantize_symmetric(x)
-        return F.linear(x, weight, module.bias)
+        return F.linear(x, quantize_symmetric(module.weight.detach(), dim=0), module.bias)
 
     return forward

@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import hf_attnscale as hfa
 from hf_attnscale.core.families import attention_modules
 from hf_attnscale.diagnostics import activation_outliers, attention_statistics
+from hf_attnscale.diagnostics.quantization import fake_quantized
 
 peft = pytest.importorskip("peft")
 
@@ -313,3 +314,21 @@ def test_an_adapter_loads_onto_an_offloaded_model_or_is_refused_clearly(checkpoi
         else:
             with pytest.raises(ValueError, match=r"without their values.*merge_and_unload"):
                 logits(loaded, IDS)
+
+
+def test_fake_quantisation_of_an_offloaded_model_equals_the_whole_models(checkpoint, tmp_path):
+    """W8A8 runs each linear layer under its accelerate hook (so an offloaded weight is quantised as loaded, not
+    as ``meta``), and gives the model back exactly: hooks, forwards and logits as before."""
+    whole, offloaded = load_whole(checkpoint), load_dispatched(checkpoint, "disk", tmp_path)
+    before = [(m.__dict__.get("forward"), m.__dict__.get("_old_forward")) for m in offloaded.modules()]
+    exact = logits(offloaded, IDS)
+    with fake_quantized(whole):
+        want = logits(whole, IDS)
+    with fake_quantized(offloaded):
+        got = logits(offloaded, IDS)
+    assert (want - exact).abs().max() > 1e-3  # the quantisation shows
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits(offloaded, IDS), exact, atol=0, rtol=0)
+    assert [
+        (m.__dict__.get("forward"), m.__dict__.get("_old_forward")) for m in offloaded.modules()
+    ] == before
