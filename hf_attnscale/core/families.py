@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
-from transformers.utils import logging as hf_logging
 
 from .roformer import roformer_self_attention_forward
 
@@ -187,7 +186,7 @@ def supported_model_types() -> list[str]:
     for model_type in sorted(heads):
         try:
             config_class = configuration_auto.CONFIG_MAPPING[model_type]
-            if config_class.sub_configs or _quietly(config_class).is_encoder_decoder:
+            if config_class.sub_configs or _is_encoder_decoder(config_class):
                 continue
             module_name = configuration_auto.model_type_to_module_name(model_type)
             modeling = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
@@ -206,15 +205,13 @@ def supported_model_types() -> list[str]:
     return supported
 
 
-def _quietly(config_class: type):
-    """A default config of ``config_class``, without the warnings some defaults raise (token ids outside the
-    default vocabulary: transformers 5.24)."""
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        return config_class()
-    finally:
-        hf_logging.set_verbosity(verbosity)
+def _is_encoder_decoder(config_class: type) -> bool:
+    """Whether ``config_class``'s defaults describe an encoder-decoder, read from its signature and class (building
+    a default config would log warnings some defaults raise, and silencing them would touch shared state)."""
+    parameter = inspect.signature(config_class.__init__).parameters.get("is_encoder_decoder")
+    if parameter is not None and parameter.default is not inspect.Parameter.empty:
+        return bool(parameter.default)
+    return bool(getattr(config_class, "is_encoder_decoder", False))
 
 
 Rotary = tuple[nn.Module, str | None]

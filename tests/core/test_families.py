@@ -66,6 +66,21 @@ def test_at_least_sixty_text_model_types_are_supported_and_tested():
     assert len(TYPES) >= 60, f"only {len(TYPES)} types are exercised"
 
 
+def test_finding_the_families_leaves_logging_alone(monkeypatch):
+    """Discovery reads the config classes without building them, so it never silences transformers' logging
+    (a global another thread's code would lose warnings to), and finds what it found before."""
+    from transformers.utils import logging as hf_logging
+
+    from hf_attnscale.core import families
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("discovery changed transformers' logging")
+
+    monkeypatch.setattr(hf_logging, "set_verbosity", refuse)
+    monkeypatch.setattr(hf_logging, "set_verbosity_error", refuse)
+    assert families.supported_model_types.__wrapped__() == hfa.supported_model_types()
+
+
 @pytest.mark.parametrize(("model_type", "attn", "feature"), CASES)
 def test_family_matches_the_reference(model_type, attn, feature):
     plain, baseline = _built(model_type, attn)

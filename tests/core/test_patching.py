@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 
 import pytest
 import torch
@@ -125,6 +126,29 @@ def test_round_trip_keeps_learned_values_and_loads_quietly(tmp_path, caplog):
     hfa.patch(plain, **LEARNABLE)
     with torch.no_grad():
         torch.testing.assert_close(plain(ids).logits, want, atol=1e-6, rtol=1e-6)
+
+
+def test_loading_in_one_thread_hides_no_other_threads_load_report(tmp_path, caplog, monkeypatch):
+    """The patch's quiet load holds back its own thread's report only: a report another thread logs meanwhile
+    (its own load, with keys that matter) reaches the logs."""
+    model = hfa.patch(tiny_model("llama"), **LEARNABLE)
+    model.save_pretrained(tmp_path)
+    other = "LOAD REPORT from another thread: MISSING keys that matter"
+    load = type(model).from_pretrained.__func__
+
+    def load_while_another_thread_logs(cls, *args, **kwargs):
+        thread = threading.Thread(
+            target=logging.getLogger("transformers.modeling_utils").warning, args=(other,)
+        )
+        thread.start()
+        thread.join()
+        return load(cls, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "from_pretrained", classmethod(load_while_another_thread_logs))
+    with caplog.at_level(logging.WARNING):
+        hfa.from_pretrained(type(model), tmp_path)
+    assert other in caplog.text
+    assert "UNEXPECTED" not in caplog.text  # this thread's own report (patch keys only) is still held back
 
 
 def test_moved_checkpoint_is_an_error_not_silent_initial_values(tmp_path):
