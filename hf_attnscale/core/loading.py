@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from torch import nn
@@ -18,14 +19,16 @@ HUB_OPTIONS = ("cache_dir", "force_download", "local_files_only", "token", "revi
 
 
 class _HoldLoadReport(logging.Filter):
-    """Holds back transformers' weight-loading report, to be re-emitted unless it only lists patch keys."""
+    """Holds back this thread's weight-loading report from transformers, to be re-emitted unless it only lists
+    patch keys; every other record, and other threads' reports, pass."""
 
     def __init__(self) -> None:
         super().__init__()
         self.held: list[logging.LogRecord] = []
+        self.thread = threading.get_ident()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if REPORT_MARK in record.getMessage():
+        if record.thread == self.thread and REPORT_MARK in record.getMessage():
             self.held.append(record)
             return False
         return True
