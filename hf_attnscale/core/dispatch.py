@@ -3,7 +3,8 @@
 transformers v5 attention modules call ``ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
 eager_attention_forward)``. A patched module reads its config through a `PatchedConfigView`: the model's
 own config in every respect, except that ``_attn_implementation`` names ``hfa_<backend>``, a wrapper registered
-once per process around the backend the model is set to *now*. So:
+once per process (for every supported backend, when the first view is made) around the backend the model
+is set to *now*. So:
 
 * the model itself (mask creation, ``output_attentions`` checks, ``set_attn_implementation``) still sees its
   real backend, and switching backends switches the wrapped one: the patch follows;
@@ -47,14 +48,12 @@ def check_backend(backend: str | None) -> str:
 _REGISTERING = threading.Lock()
 
 
-def register_backend(backend: str) -> str:
-    """Register the wrapper around ``backend`` (once per process, whichever thread asks first); return its name."""
-    name = backend_name(check_backend(backend))
-    if name not in ALL_ATTENTION_FUNCTIONS:
-        with _REGISTERING:
-            if name not in ALL_ATTENTION_FUNCTIONS:
-                AttentionInterface.register(name, _make_wrapper(backend))
-    return name
+def register_backends() -> None:
+    """Register the wrapper around every supported backend (once per process, whichever thread asks first)."""
+    with _REGISTERING:
+        for backend in SUPPORTED_BACKENDS:
+            if backend_name(backend) not in ALL_ATTENTION_FUNCTIONS:
+                AttentionInterface.register(backend_name(backend), _make_wrapper(backend))
 
 
 class PatchedConfigView:
@@ -65,11 +64,12 @@ class PatchedConfigView:
     """
 
     def __init__(self, config: Any) -> None:
+        register_backends()  # here, not in the attention call: a view exists before any call reads it
         object.__setattr__(self, "model_config", config)
 
     @property
     def _attn_implementation(self) -> str:
-        return register_backend(self.model_config._attn_implementation)
+        return backend_name(check_backend(self.model_config._attn_implementation))
 
     def __getattr__(self, name: str) -> Any:
         if name == "model_config":  # not set yet: being unpickled

@@ -173,3 +173,22 @@ def test_a_checkpoint_saved_without_the_learned_values_is_refused(tmp_path):
     model.save_pretrained(tmp_path, state_dict=state)
     with pytest.raises(ValueError, match=r"checkpoint lacks 4 of them"):
         hfa.from_pretrained(type(model), tmp_path)
+
+
+def test_an_attention_call_registers_nothing(monkeypatch):
+    """The wrappers are registered when the model is patched; calls (and switching backends) only read them."""
+    from transformers.modeling_utils import AttentionInterface
+
+    fresh = {k: v for k, v in AttentionInterface._global_mapping.items() if not k.startswith("hfa_")}
+    monkeypatch.setattr(AttentionInterface, "_global_mapping", fresh)  # as in a new process
+    model = hfa.patch(tiny_model("llama"), scale="logn", train_length=2, zero_kv=True)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an attention call changed the global attention registry")
+
+    monkeypatch.setattr(AttentionInterface, "register", refuse)
+    ids = torch.randint(3, VOCAB, (1, 6))
+    for backend in ("sdpa", "eager"):
+        model.set_attn_implementation(backend)
+        with torch.no_grad():
+            model(ids)
