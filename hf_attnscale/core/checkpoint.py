@@ -22,14 +22,15 @@ interrupted or failed fetch leaves nothing half-written behind; the next call st
     .tmp-*                work in progress (removed when a fetch ends, however it ends)
     .<name>.lock          held while a process fetches <name>, so that concurrent fetches do the work once
 
-These live here, below `hf_attnscale.core.loading` (so that it can fetch them by name); the conversion loads
-the GGUF file with its ``from_pretrained``, which `fetch` is therefore given (``load``). ``hfa.fetch``
-(`hf_attnscale.evaluation.real_checkpoints`) passes it for you.
+These live here, below `hf_attnscale.core.loading`, so that its ``from_pretrained`` takes a real checkpoint's
+name (`resolve_source`); the conversion loads the GGUF file with that ``from_pretrained``, which `fetch` is
+therefore given (``load``). ``hfa.fetch`` (`hf_attnscale.evaluation.real_checkpoints`) passes it for you.
 """
 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import hashlib
 import importlib
 import json
@@ -290,15 +291,67 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "hf_attnscale"
 
 
+NEAR_MISS = 0.8
+"""How alike (difflib's ratio) a name must be to a real checkpoint's to be taken for a misspelling of it."""
 Loader = Callable[..., Any]
 """`hf_attnscale.core.loading.from_pretrained`: ``load(model_class, folder, **options)`` -> the model."""
 
 
 def checkpoint_spec(name: str) -> RealCheckpoint:
-    """The `RealCheckpoint` called ``name``; ValueError naming the known ones otherwise."""
-    if name not in REAL_CHECKPOINTS:
-        raise ValueError(f"Unknown real checkpoint {name!r}; known: {', '.join(REAL_CHECKPOINTS)}.")
-    return REAL_CHECKPOINTS[name]
+    """The `RealCheckpoint` called ``name``, in any case; a one-line ValueError otherwise, listing the known
+    names and suggesting the closest."""
+    known = {spec.casefold(): spec for spec in REAL_CHECKPOINTS}.get(name.casefold())
+    if known is None:
+        close = difflib.get_close_matches(name.casefold(), REAL_CHECKPOINTS, n=1, cutoff=NEAR_MISS)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"Unknown real checkpoint {name!r}{hint}; known: {', '.join(REAL_CHECKPOINTS)}.")
+    return REAL_CHECKPOINTS[known]
+
+
+def real_checkpoint_name(name: str) -> str | None:
+    """The real checkpoint a model name means, or None where it names something else (a path, a Hub id).
+
+    A name of `REAL_CHECKPOINTS` is that checkpoint, before any local folder of that name (write
+    ``./smollm2-135m`` for the folder). A bare name that is no local path and matches one in another case
+    (``smollm2-135M``) is that checkpoint too; a near miss (``smollm2-135n``) is `checkpoint_spec`'s
+    ValueError, listing the known names.
+    """
+    if name in REAL_CHECKPOINTS:
+        return name
+    if not name or "/" in name or os.sep in name or Path(name).expanduser().exists():
+        return None
+    if difflib.get_close_matches(name.casefold(), REAL_CHECKPOINTS, n=1, cutoff=NEAR_MISS):
+        return checkpoint_spec(name).name
+    return None
+
+
+def resolve_source(
+    source: Any, load: Loader, *, gguf_file: str | None = None, local_files_only: bool = False
+) -> Any:
+    """What ``from_pretrained`` loads for ``source``: a real checkpoint's name (`real_checkpoint_name`) -> its
+    folder, fetched with ``load`` on first use (`fetch`) unless ``local_files_only``; anything else unchanged.
+
+    Raises:
+        ValueError: a near miss of a real checkpoint's name; a real checkpoint's name with ``gguf_file``, or
+            not fetched yet with ``local_files_only``.
+        FetchError: the real checkpoint could not be fetched.
+    """
+    name = real_checkpoint_name(source) if isinstance(source, str) else None
+    if name is None:
+        return source
+    if gguf_file:
+        raise ValueError(
+            f"{source!r} is a real checkpoint's name, fetched as a folder with no GGUF file: load it without "
+            f"gguf_file=, or load its GGUF file by path (hf_attnscale.evaluation.real_checkpoints.fetch_gguf"
+            f"({name!r}) gives it)."
+        )
+    folder = fetched_path(name)
+    if folder is None and local_files_only:
+        raise ValueError(
+            f"The real checkpoint {name!r} is not fetched yet, and local_files_only=True: fetch it once with "
+            f"hfa.fetch({name!r}) (or hf-attnscale fetch {name})."
+        )
+    return str(folder or fetch(name, load))
 
 
 def fetched_path(name: str, cache_dir: str | Path | None = None) -> Path | None:

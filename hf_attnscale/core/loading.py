@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 from transformers.utils import quantization_config as hf_quantization
 
-from .checkpoint import safetensors_files
+from .checkpoint import resolve_source, safetensors_files
 from .config import read_saved_config
 from .patching import apply
 from .state import STATE_NAME
@@ -40,9 +40,10 @@ def from_pretrained(
     """``model_class.from_pretrained(...)``, then the hf_attnscale patch saved with the model, learned values included.
 
     Works wherever transformers can load the model (a local directory, a Hub id, the Hugging Face cache
-    offline), because the learned sink / SSMax values are read from the same weight files. A model saved
-    unpatched is returned unpatched. transformers would list the patch's weights as UNEXPECTED keys; here they
-    are expected, so its load report is shown only when it says something else.
+    offline), because the learned sink / SSMax values are read from the same weight files; and with a real
+    checkpoint's name (``"smollm2-135m"``: its folder, fetched on first use as ``hfa.fetch`` does). A model
+    saved unpatched is returned unpatched. transformers would list the patch's weights as UNEXPECTED keys;
+    here they are expected, so its load report is shown only when it says something else.
 
     With ``gguf_file=`` (a GGUF file in that folder or Hub repo; needs the ``gguf`` package) the weights are
     de-quantised, and the model is returned as the plain float model it then is: it can be patched, fine-tuned
@@ -52,7 +53,14 @@ def from_pretrained(
     Example:
         >>> model = hfa.from_pretrained(AutoModelForCausalLM, "path/to/saved", dtype=torch.bfloat16)
         >>> model = hfa.from_pretrained(AutoModelForCausalLM, "folder", gguf_file="model.Q4_K_M.gguf")
+        >>> model = hfa.from_pretrained(AutoModelForCausalLM, "smollm2-135m")
     """
+    pretrained_model_name_or_path = resolve_source(
+        pretrained_model_name_or_path,
+        from_pretrained,
+        gguf_file=kwargs.get("gguf_file"),
+        local_files_only=bool(kwargs.get("local_files_only")),
+    )
     gguf = bool(kwargs.get("gguf_file"))
     if gguf and kwargs.get("quantization_config") is None:
         kwargs["quantization_config"] = _dequantized_gguf_config()

