@@ -1,5 +1,5 @@
-"""Checkpoints: a saved model's weight files and the learned patch parameters in them, and the real
-checkpoints fetched by name from the package registry.
+"""Checkpoints: a saved model's weight files and the learned patch parameters in them, the real
+checkpoints fetched by name from the package registry, and GGUF files checked for being whole.
 
 A saved checkpoint is found as transformers finds it: a local directory, or a Hub id resolved through the
 local Hugging Face cache first (so it works offline and with a mirrored cache), then the Hub.
@@ -34,9 +34,12 @@ import difflib
 import hashlib
 import importlib
 import json
+import math
+import mmap
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -49,6 +52,7 @@ from typing import Any, Literal
 
 import torch
 import transformers
+from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT
 from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -329,15 +333,18 @@ def resolve_source(
     source: Any, load: Loader, *, gguf_file: str | None = None, local_files_only: bool = False
 ) -> Any:
     """What ``from_pretrained`` loads for ``source``: a real checkpoint's name (`real_checkpoint_name`) -> its
-    folder, fetched with ``load`` on first use (`fetch`) unless ``local_files_only``; anything else unchanged.
+    folder, fetched with ``load`` on first use (`fetch`) unless ``local_files_only``; anything else unchanged,
+    its ``gguf_file`` checked if it is a local file (`check_gguf_file`).
 
     Raises:
         ValueError: a near miss of a real checkpoint's name; a real checkpoint's name with ``gguf_file``, or
-            not fetched yet with ``local_files_only``.
+            not fetched yet with ``local_files_only``; a truncated GGUF file.
         FetchError: the real checkpoint could not be fetched.
     """
     name = real_checkpoint_name(source) if isinstance(source, str) else None
     if name is None:
+        if gguf_file:
+            check_gguf_file(Path(source).expanduser() / gguf_file)
         return source
     if gguf_file:
         raise ValueError(
@@ -626,3 +633,87 @@ def _locked(root: Path, name: str) -> Iterator[None]:
 def _say(progress: bool, message: str) -> None:
     if progress:
         tqdm.write(message, file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GGUF files
+
+_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+"""The GGUF metadata value types of a fixed width, and that width (type 8 is a string, 9 an array)."""
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
+
+
+def check_gguf_file(path: str | Path) -> None:
+    """A one-line ValueError naming ``path`` where a local GGUF file is shorter than its header says.
+
+    Anything else (no such local file, not GGUF, a layout this reading does not know) is left to the loader.
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        return
+    size = path.stat().st_size
+    try:
+        needed = gguf_size(path)
+    except struct.error:  # the header runs past the end of the file
+        raise ValueError(
+            f"GGUF file {path} is truncated: its {size} bytes end inside its header (an incomplete download "
+            "or copy?); fetch or copy it again."
+        ) from None
+    except ValueError:  # a metadata type this reading does not know
+        return
+    if needed is not None and size < needed:
+        raise ValueError(
+            f"GGUF file {path} is truncated: {size} bytes, where its header describes {needed} (an "
+            "incomplete download or copy?); fetch or copy it again."
+        )
+
+
+def gguf_size(path: str | Path) -> int | None:
+    """The size a GGUF file has by its header (where its last tensor's data ends), or None for a file that is
+    not GGUF v2/v3 or holds a tensor type the ``gguf`` package does not know. Reads the header only;
+    struct.error where the file ends inside it."""
+    with Path(path).open("rb") as handle:
+        if handle.read(4) != b"GGUF":
+            return None
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as blob:
+            version, tensors, fields = struct.unpack_from("<IQQ", blob, 4)
+            if version not in (2, 3):
+                return None
+            pos, alignment = 24, GGUF_DEFAULT_ALIGNMENT
+            for _ in range(fields):
+                (length,) = _U64.unpack_from(blob, pos)
+                key = blob[pos + 8 : pos + 8 + length]
+                (kind,) = struct.unpack_from("<I", blob, pos + 8 + length)
+                if key == b"general.alignment":
+                    (alignment,) = struct.unpack_from("<I", blob, pos + 12 + length)
+                pos = _skip_gguf_value(blob, pos + 12 + length, kind)
+            end = 0
+            for _ in range(tensors):
+                pos += 8 + _U64.unpack_from(blob, pos)[0]  # the name
+                (dims,) = struct.unpack_from("<I", blob, pos)
+                shape = struct.unpack_from(f"<{dims}Q", blob, pos + 4)
+                kind, offset = struct.unpack_from("<IQ", blob, pos + 4 + 8 * dims)
+                pos += 16 + 8 * dims
+                if kind not in GGML_QUANT_SIZES:
+                    return None
+                block, block_bytes = GGML_QUANT_SIZES[kind]
+                end = max(end, offset + math.prod(shape) // block * block_bytes)
+    return -(-pos // alignment) * alignment + end
+
+
+def _skip_gguf_value(blob: mmap.mmap, pos: int, kind: int) -> int:
+    """The offset just past the GGUF metadata value of type ``kind`` at ``pos``."""
+    if kind in _GGUF_SCALAR_BYTES:
+        return pos + _GGUF_SCALAR_BYTES[kind]
+    if kind == _GGUF_STRING:
+        return pos + 8 + _U64.unpack_from(blob, pos)[0]
+    if kind != _GGUF_ARRAY:
+        raise ValueError(f"unknown GGUF metadata type {kind}")
+    item, count = struct.unpack_from("<IQ", blob, pos)
+    pos += 12
+    if item in _GGUF_SCALAR_BYTES:
+        return pos + count * _GGUF_SCALAR_BYTES[item]
+    for _ in range(count):
+        pos = _skip_gguf_value(blob, pos, item)
+    return pos

@@ -48,7 +48,8 @@ def from_pretrained(
     With ``gguf_file=`` (a GGUF file in that folder or Hub repo; needs the ``gguf`` package) the weights are
     de-quantised, and the model is returned as the plain float model it then is: it can be patched, fine-tuned
     with PEFT and saved with ``save_pretrained`` (transformers alone would keep it marked as GGUF-quantised, and
-    refuse to save it). A ``quantization_config`` passed explicitly is left to transformers.
+    refuse to save it). A ``quantization_config`` passed explicitly is left to transformers. A local GGUF file
+    shorter than its header says is a one-line ValueError.
 
     Example:
         >>> model = hfa.from_pretrained(AutoModelForCausalLM, "path/to/saved", dtype=torch.bfloat16)

@@ -26,7 +26,7 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
 from transformers.utils import cached_file
 
-from hf_attnscale.core.checkpoint import real_checkpoint_name
+from hf_attnscale.core.checkpoint import check_gguf_file, real_checkpoint_name
 from hf_attnscale.core.loading import from_pretrained
 from hf_attnscale.evaluation.real_checkpoints import REAL_CHECKPOINTS, fetch
 
@@ -160,8 +160,8 @@ def load_model(
     Raises:
         FileNotFoundError: no such local directory or GGUF file, or the Hub cannot provide it (offline,
             unknown id).
-        ValueError: not a language model, an attention backend that cannot run here, a GGUF file without
-            the ``gguf`` package, or a near miss of a real checkpoint's name.
+        ValueError: not a language model, an attention backend that cannot run here, a truncated GGUF file or
+            one without the ``gguf`` package, or a near miss of a real checkpoint's name.
         FetchError: a real checkpoint could not be fetched.
     """
     name, gguf_file = split_gguf(name, gguf_file)
@@ -178,6 +178,8 @@ def load_model(
     source = str(path) if looks_local else resolved
     if not looks_local:
         _check_hub_reachable(source, needed)
+    if gguf_file:
+        check_gguf_file(path / gguf_file)  # before transformers reads it (a local file only)
     gguf = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         config = AutoConfig.from_pretrained(source, **gguf)
