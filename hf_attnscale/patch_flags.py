@@ -6,7 +6,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from hf_attnscale.core.config import GATES, SCALES, AttnScaleConfig
+from hf_attnscale.core.config import OPTIONS, AttnScaleConfig, read_bool
+
+LENGTH_OPTION = "train_length"
+"""The option whose flag a caller may rename (the trainers' ``--scale-length``); it is stored as ``scale_length``."""
 
 
 def add_patch_arguments(
@@ -14,31 +17,30 @@ def add_patch_arguments(
     title: str,
     *,
     length_flag: str = "--train-length",
-    length_help: str = "L, the length the model was trained at",
+    length_help: str | None = None,
     exits: bool = True,
 ) -> argparse._ArgumentGroup:
-    """Add ``--scale``, the length flag, ``--clamp``, ``--beta`` and (with ``exits``) ``--zero-kv``, ``--sink-logit``,
-    ``--clipped-softmax`` and ``--gate``.
+    """Add a flag for each patch option (`hf_attnscale.core.config.OPTIONS`: ``--scale``, the length flag,
+    ``--clamp``, ...), read as the option reads text; ``exits=False`` leaves out the options that act on what a
+    head may output (exit, clipped softmax, gate).
 
     The length flag, whatever it is called, is stored as ``scale_length``. Returns the group of the flags.
     """
     group = parser.add_argument_group(title)
-    group.add_argument("--scale", choices=SCALES, default="none", help="query scale law (default none)")
-    group.add_argument(length_flag, dest="scale_length", type=int, metavar="N", help=length_help)
-    group.add_argument(
-        "--clamp", action=argparse.BooleanOptionalAction, default=None, help="clamp the scale to >= 1"
-    )
-    group.add_argument("--beta", type=float, help="beta of --scale llama4 / ministral3 (default 0.1)")
-    if exits:
-        group.add_argument("--zero-kv", action="store_true", help="add a zero key/value (softmax-off-by-one)")
-        group.add_argument("--sink-logit", type=_sink_logit, help="a fixed sink logit, or 'learnable'")
-        group.add_argument(
-            "--clipped-softmax",
-            type=_clipped_softmax,
-            metavar="GAMMA,ZETA",
-            help="clip((zeta - gamma) * softmax + gamma, 0, 1), e.g. -0.03,1; or 'learnable'",
-        )
-        group.add_argument("--gate", choices=GATES, help="a learnable sigmoid gate on each head's output")
+    for name, option in OPTIONS.items():
+        meta = option.metadata
+        if meta["head"] and not exits:
+            continue
+        flag, spec = f"--{name.replace('_', '-')}", {"help": meta["help"], "default": option.default}
+        if name == LENGTH_OPTION:
+            flag, spec["dest"], spec["help"] = length_flag, "scale_length", length_help or meta["help"]
+        if meta["choices"] is not None:
+            spec["choices"] = meta["choices"]
+        elif meta["parse"] is read_bool:
+            spec["action"] = "store_true" if option.default is False else argparse.BooleanOptionalAction
+        else:
+            spec["type"], spec["metavar"] = _flag_type(meta["parse"]), meta["metavar"]
+        group.add_argument(flag, **spec)
     return group
 
 
@@ -52,38 +54,31 @@ def patch_options(args: argparse.Namespace, default_length: int | None = None) -
     Raises:
         ValueError: flags that make no patch together (e.g. ``--clamp`` without a scale).
     """
-    scale = None if args.scale == "none" else args.scale
-    given = {
-        "scale": scale,
-        "train_length": default_length if scale and args.scale_length is None else args.scale_length,
-        "clamp": args.clamp,
-        "beta": args.beta,
-        "zero_kv": vars(args).get("zero_kv") or None,
-        "sink_logit": vars(args).get("sink_logit"),
-        "clipped_softmax": vars(args).get("clipped_softmax"),
-        "gate": vars(args).get("gate"),
+    values = vars(args)
+    given = {name: values.get("scale_length" if name == LENGTH_OPTION else name) for name in OPTIONS}
+    if given["scale"] == "none":
+        given["scale"] = None
+    elif given[LENGTH_OPTION] is None:
+        given[LENGTH_OPTION] = default_length
+    unset = {
+        name for name, value in given.items() if value is None or value is OPTIONS[name].default is False
     }
-    options = {name: value for name, value in given.items() if value is not None}
+    options = {name: value for name, value in given.items() if name not in unset}
     AttnScaleConfig(**options)  # its own errors, before any model is built
     return options
 
 
-def _clipped_softmax(text: str) -> tuple[float, float] | str:
-    if text == "learnable":
-        return text
-    try:
-        gamma, zeta = (float(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected GAMMA,ZETA (e.g. -0.03,1) or 'learnable', got {text!r}"
-        ) from None
-    return gamma, zeta
+def _flag_type(parse):
+    """``parse`` as an argparse ``type``: its ValueError becomes argparse's one-line usage error (int and float
+    keep argparse's own)."""
+    if parse in (int, float, str):
+        return parse
 
+    def read(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
 
-def _sink_logit(text: str) -> float | str:
-    if text == "learnable":
-        return text
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or 'learnable', got {text!r}") from None
+    read.__name__ = parse.__name__.strip("_")
+    return read

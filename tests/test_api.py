@@ -235,24 +235,38 @@ def test_patch_without_options_keeps_a_live_patch_and_its_trained_values():
 
 
 def test_every_patch_option_reaches_the_api_the_cli_and_lm_eval():
-    """One declaration (`AttnScaleConfig`'s fields): each option is a keyword of hfa.patch, a flag of the CLI that
-    `patch_options` passes on, and a model_arg of the lm-eval model type (validated before any model loads)."""
+    """One declaration (`AttnScaleConfig`'s fields): each option, given as text, is a flag of the CLI that
+    `patch_options` passes on, a model_arg of the lm-eval model type, and a keyword of hfa.patch, all three with
+    the same value. A new field must add a row here (its text and value), and then reaches all three."""
     import argparse
-    import inspect
 
-    from hf_attnscale.core.config import OPTION_NAMES
+    from hf_attnscale.core.config import OPTIONS
     from hf_attnscale.patch_flags import add_patch_arguments, patch_options
 
-    assert set(OPTION_NAMES) <= set(inspect.signature(hfa.patch).parameters)
+    examples = {  # option: (flags, model_arg text, the value every reader must arrive at)
+        "scale": (["--scale", "llama4", "--train-length", "8"], "llama4", "llama4"),
+        "train_length": (["--scale", "logn", "--train-length", "8"], "8", 8),
+        "clamp": (["--scale", "logn", "--train-length", "8", "--no-clamp"], "false", False),
+        "zero_kv": (["--zero-kv"], "true", True),
+        "sink_logit": (["--sink-logit", "learnable"], "learnable", "learnable"),
+        "beta": (["--scale", "llama4", "--train-length", "8", "--beta", "0.2"], "0.2", 0.2),
+        "clipped_softmax": (["--clipped-softmax=-0.03,1"], "-0.03;1", (-0.03, 1.0)),
+        "gate": (["--gate", "head"], "head", "head"),
+    }
+    assert set(examples) == set(OPTIONS), "a new patch option needs its row here"
     parser = argparse.ArgumentParser()
     add_patch_arguments(parser, "patch")
-    flags = "--scale llama4 --train-length 8 --clamp --beta 0.2 --sink-logit learnable --gate head"
-    options = patch_options(parser.parse_args(flags.split()))
-    assert set(options) == set(OPTION_NAMES) - {"zero_kv", "clipped_softmax"}
-    clipped = patch_options(parser.parse_args(["--clipped-softmax=-0.03,1"]))
-    assert clipped == {"clipped_softmax": (-0.03, 1.0)} and "zero_kv" in {a.dest for a in parser._actions}
     lm_eval = pytest.importorskip("hf_attnscale.integrations.lm_eval_harness")
-    for name in OPTION_NAMES:
+    for name, (flags, text, value) in examples.items():
+        from_flags = patch_options(parser.parse_args(flags))
+        assert from_flags[name] == value, name
+        context = {k: v for k, v in from_flags.items() if k != name}
+        config = hfa.AttnScaleConfig.from_text(**context, **{name: text})
+        assert getattr(config, name) == value, name
+        model = hfa.patch(tiny_model("llama"), **from_flags)
+        assert getattr(hfa.get_config(model), name) == value, name
         bad = {"clipped_softmax": "big", "train_length": 1, "scale": "cube"}.get(name, "not-an-option")
         with pytest.raises(ValueError, match=name if name != "train_length" else "scale"):
             lm_eval.HFAttnScaleLM(pretrained="no-such-model", **{name: bad})
+    with pytest.raises(ValueError, match=r"Unknown patch option.*scale, train_length"):
+        hfa.patch(tiny_model("llama"), scael="logn")

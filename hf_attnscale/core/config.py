@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import Field, asdict, dataclass, field, fields
 from typing import Any, Literal, get_args
 
 from hf_attnscale.validation import check_int
@@ -24,6 +25,48 @@ STEP_LAWS = ("llama4", "ministral3")
 """The laws of 2026, ``1 + β·ln(1 + ⌊·/L⌋)``: they take ``beta`` and never need a clamp (they are at least 1)."""
 DEFAULT_BETA = 0.1
 """β of the step laws when not given: Llama 4's ``attn_scale`` and Ministral 3's ``llama_4_scaling_beta``."""
+
+
+def _option(
+    help: str,
+    *,
+    parse: Callable[[str], Any] = str,
+    choices: tuple[str, ...] | None = None,
+    metavar: str | None = None,
+    head: bool = False,
+) -> dict[str, Any]:
+    """A patch option's metadata: one line of help, how its text (a CLI flag, an lm-eval model_arg) is read,
+    and whether it acts on what a head may output (``head``: the trainers of the shipped encoder leave those
+    out). `hfa.patch`, the CLI's flags and the lm-eval model type all read these fields."""
+    return {"help": help, "parse": parse, "choices": choices, "metavar": metavar, "head": head}
+
+
+def read_bool(text: str) -> bool:
+    """A yes/no option's text: true/false, 1/0, yes/no."""
+    words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+    if text.lower() not in words:
+        raise ValueError(f"expected true or false, got {text!r}")
+    return words[text.lower()]
+
+
+def _sink_logit(text: str) -> float | str:
+    if text == "learnable":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"expected a number or 'learnable', got {text!r}") from None
+
+
+def _clip_bounds(text: str) -> tuple[float, float] | str:
+    """``GAMMA,ZETA`` or ``GAMMA;ZETA`` (lm-eval's model_args are comma-separated), or ``learnable``."""
+    if text == "learnable":
+        return text
+    try:
+        gamma, zeta = (float(part) for part in text.replace(";", ",").split(","))
+    except ValueError:
+        raise ValueError(f"expected GAMMA,ZETA (e.g. -0.03,1) or 'learnable', got {text!r}") from None
+    return gamma, zeta
 
 
 @dataclass(frozen=True)
@@ -57,14 +100,37 @@ class AttnScaleConfig:
             (an ``nn.Parameter`` per head, initialised to 0, which equals ``zero_kv``).
     """
 
-    scale: ScaleName = "none"
-    train_length: int | None = None
-    clamp: bool | None = None
-    zero_kv: bool = False
-    sink_logit: SinkLogit = None
-    beta: float | None = None
-    clipped_softmax: ClippedSoftmax = None
-    gate: GateKind | None = None
+    scale: ScaleName = field(
+        default="none", metadata=_option("query scale law (default none)", choices=SCALES)
+    )
+    train_length: int | None = field(
+        default=None, metadata=_option("L, the length the model was trained at", parse=int, metavar="N")
+    )
+    clamp: bool | None = field(default=None, metadata=_option("clamp the scale to >= 1", parse=read_bool))
+    zero_kv: bool = field(
+        default=False,
+        metadata=_option("add a zero key/value (softmax-off-by-one)", parse=read_bool, head=True),
+    )
+    sink_logit: SinkLogit = field(
+        default=None, metadata=_option("a fixed sink logit, or 'learnable'", parse=_sink_logit, head=True)
+    )
+    beta: float | None = field(
+        default=None,
+        metadata=_option(f"beta of --scale llama4 / ministral3 (default {DEFAULT_BETA})", parse=float),
+    )
+    clipped_softmax: ClippedSoftmax = field(
+        default=None,
+        metadata=_option(
+            "clip((zeta - gamma) * softmax + gamma, 0, 1), e.g. -0.03,1 (or -0.03;1); or 'learnable'",
+            parse=_clip_bounds,
+            metavar="GAMMA,ZETA",
+            head=True,
+        ),
+    )
+    gate: GateKind | None = field(
+        default=None,
+        metadata=_option("a learnable sigmoid gate on each head's output", choices=GATES, head=True),
+    )
     version: int = field(default=1, repr=False)
 
     def __post_init__(self) -> None:
@@ -162,8 +228,18 @@ class AttnScaleConfig:
     @classmethod
     def from_options(cls, **options: Any) -> AttnScaleConfig | None:
         """A config from the patch options that are not None, or None when every option is None."""
-        given = {k: v for k, v in options.items() if v is not None}
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise ValueError(
+                f"Unknown patch option(s) {', '.join(unknown)}; the options are {', '.join(OPTIONS)}."
+            )
+        given = {name: value for name, value in options.items() if value is not None}
         return cls(**given) if given else None
+
+    @classmethod
+    def from_text(cls, **options: Any) -> AttnScaleConfig | None:
+        """`from_options`, where a value given as text (an lm-eval model_arg) is read as its flag reads it."""
+        return cls.from_options(**{name: _from_text(name, value) for name, value in options.items()})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -179,10 +255,23 @@ class AttnScaleConfig:
         return cls(**known)
 
 
-OPTION_NAMES: tuple[str, ...] = tuple(
-    name for name in AttnScaleConfig.__dataclass_fields__ if name != "version"
-)
-"""The patch's options, as `hfa.patch`, the CLI and the lm-eval model type name them."""
+OPTIONS: dict[str, Field] = {f.name: f for f in fields(AttnScaleConfig) if f.name != "version"}
+"""The patch's options (`AttnScaleConfig`'s fields, with their help and text reading in ``metadata``), as
+`hfa.patch`, the CLI and the lm-eval model type name them."""
+OPTION_NAMES: tuple[str, ...] = tuple(OPTIONS)
+
+
+def _from_text(name: str, value: Any) -> Any:
+    """``value`` of option ``name`` read as the option reads text, if it is text (else as given)."""
+    option = OPTIONS.get(name)
+    if option is None:
+        return value  # from_options names it
+    if not isinstance(value, str) or option.metadata["choices"] is not None:
+        return value
+    try:
+        return option.metadata["parse"](value)
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}.") from None
 
 
 def read_saved_config(model_config: Any) -> AttnScaleConfig | None:

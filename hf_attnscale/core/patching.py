@@ -33,10 +33,6 @@ from .checkpoint import CheckpointNotFound, read_tensors, safetensors_files
 from .config import (
     CONFIG_KEY,
     AttnScaleConfig,
-    ClippedSoftmax,
-    GateKind,
-    ScaleName,
-    SinkLogit,
     read_saved_config,
 )
 from .dispatch import PatchedConfigView, check_backend, routed_config
@@ -61,19 +57,7 @@ M = TypeVar("M", bound=nn.Module)
 ``__dict__``, not as a submodule, so the state dict is unchanged and ``deepcopy`` / ``.to()`` follow the model."""
 
 
-def patch(
-    model: M,
-    scale: ScaleName | None = None,
-    train_length: int | None = None,
-    clamp: bool | None = None,
-    zero_kv: bool | None = None,
-    sink_logit: SinkLogit = None,
-    beta: float | None = None,
-    clipped_softmax: ClippedSoftmax = None,
-    gate: GateKind | None = None,
-    *,
-    config: AttnScaleConfig | None = None,
-) -> M:
+def patch(model: M, *, config: AttnScaleConfig | None = None, **options: Any) -> M:
     """Change the attention of ``model`` (this instance only) and return it.
 
     With no options, applies the patch saved in ``model.config`` (after ``from_pretrained``), learned sink /
@@ -86,19 +70,13 @@ def patch(
     with a ``device_map`` (layers on several devices, offloaded to CPU or disk) is patched the same way; one
     built under ``init_empty_weights`` takes the learnable options only once its weights are loaded.
 
+    The options are `AttnScaleConfig`'s fields (``scale``, ``train_length``, ``zero_kv``... see it for each), by
+    keyword, or one ``config=``; an unknown one is an error that lists them.
+
     Example:
         >>> hfa.patch(model, scale="logn", train_length=4096, zero_kv=True)
     """
-    requested = AttnScaleConfig.from_options(
-        scale=scale,
-        train_length=train_length,
-        clamp=clamp,
-        zero_kv=zero_kv,
-        sink_logit=sink_logit,
-        beta=beta,
-        clipped_softmax=clipped_softmax,
-        gate=gate,
-    )
+    requested = AttnScaleConfig.from_options(**options)
     if config is not None and requested is not None:
         raise ValueError(
             "Pass either config= or the individual options (scale, train_length, ...), not both."

@@ -77,11 +77,10 @@ class HFAttnScaleLM(HFLM):
         pretrained: a model path, Hub id, ``builtin:tiny-llama-stdlib`` (the shipped model), the name of a real
             checkpoint (``smollm2-135m``, ``gemma3-270m``: fetched on first use), a path to a ``.gguf`` file, or
             a model object (then also pass ``tokenizer``).
-        scale, train_length, clamp, zero_kv, sink_logit, beta, clipped_softmax, gate: `hf_attnscale.patch` options
-            (``clipped_softmax`` as ``"GAMMA;ZETA"``, lm-eval's model_args being comma-separated, or
-            ``learnable``). With none of them, a
-            checkpoint saved from a patched model (``hf_attnscale`` in its config) is patched as saved, and any
-            other model runs as loaded.
+        scale, train_length, ...: the `hf_attnscale.patch` options (`AttnScaleConfig`'s fields; their text as on
+            the command line, but ``clipped_softmax`` as ``"GAMMA;ZETA"``, model_args being comma-separated).
+            With none of them, a checkpoint saved from a patched model (``hf_attnscale`` in its config) is
+            patched as saved, and any other model runs as loaded.
         sink_tokens: sink tokens of the streaming cache (default 4 when ``window`` is given; 0: window-only).
         window: recent tokens each query sees while streaming; None (default) keeps lm-eval's windows.
         chunk_size: tokens per model call while streaming (memory only; results do not depend on it).
@@ -100,10 +99,9 @@ class HFAttnScaleLM(HFLM):
         **kwargs: Any,
     ) -> None:
         # Validate everything before the model loads, which can take minutes.
-        options = {name: kwargs.pop(name) for name in OPTION_NAMES if name in kwargs}
-        if "clipped_softmax" in options:
-            options["clipped_softmax"] = _clip_bounds(options["clipped_softmax"])
-        config = AttnScaleConfig.from_options(**options)
+        config = AttnScaleConfig.from_text(
+            **{name: kwargs.pop(name) for name in OPTION_NAMES if name in kwargs}
+        )
         settings = cache_settings(sink_tokens, window)
         self.sink_tokens, self.window = settings if settings is not None else (None, None)
         self.chunk_size = check_int("chunk_size", chunk_size, 1)
@@ -205,19 +203,6 @@ class HFAttnScaleLM(HFLM):
             "window": self.window,
         }
         return info
-
-
-def _clip_bounds(value: str | tuple[float, float] | None) -> str | tuple[float, float] | None:
-    """``clipped_softmax`` from model_args: ``"GAMMA;ZETA"`` (model_args are comma-separated) as a pair."""
-    if not isinstance(value, str) or value == "learnable":
-        return value
-    try:
-        gamma, zeta = (float(part) for part in value.split(";"))
-    except ValueError:
-        raise ValueError(
-            f"clipped_softmax must be GAMMA;ZETA (e.g. -0.03;1) or learnable, got {value!r}."
-        ) from None
-    return gamma, zeta
 
 
 def builtin_dataset(
