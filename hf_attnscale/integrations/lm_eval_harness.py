@@ -32,6 +32,7 @@ from lm_eval.models.huggingface import HFLM
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
+from hf_attnscale.core.checkpoint import check_gguf_file
 from hf_attnscale.core.config import OPTION_NAMES, AttnScaleConfig, read_saved_config
 from hf_attnscale.core.loading import from_pretrained
 from hf_attnscale.core.patching import patch
@@ -108,6 +109,8 @@ class HFAttnScaleLM(HFLM):
         if isinstance(pretrained, str):
             pretrained, gguf_file = split_gguf(pretrained, gguf_file)
             pretrained = resolve_model_path(pretrained)
+            if gguf_file:
+                check_gguf_file(Path(pretrained) / gguf_file)  # before transformers reads it (local files only)
             gguf = {"gguf_file": gguf_file} if gguf_file else {}
             self.masked = model_kind(AutoConfig.from_pretrained(pretrained, **gguf)) == "masked"
         else:
