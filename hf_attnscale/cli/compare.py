@@ -18,11 +18,13 @@ from .options import (
     add_data_arguments,
     add_model_arguments,
     add_output_arguments,
+    count_type,
     device,
     documents,
     lengths_type,
     load_model,
     model_name,
+    trained_length,
 )
 from .sweep import Tokenized, row_printer, run_sweep, tokenized, write_results
 
@@ -63,7 +65,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "shorter)",
     )
     parser.add_argument(
-        "--sink-tokens", type=int, default=4, help="sink tokens of the sink+window caches (default 4)"
+        "--sink-tokens",
+        type=count_type(0),
+        default=4,
+        help="sink tokens of the sink+window caches (default 4)",
     )
     parser.add_argument(
         "--lengths",
@@ -72,19 +77,19 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--train-length",
-        type=int,
+        type=count_type(2),
         help="the model's trained length, for logn and the plot (default: max_position_embeddings)",
     )
     parser.add_argument(
         "--documents",
-        type=int,
+        type=count_type(1),
         default=DOCUMENTS,
         help=f"held-out documents to evaluate (default {DOCUMENTS}; more is slower and steadier)",
     )
     recompute = parser.add_argument_group("re-computation (a model call per scored token: slow)")
     recompute.add_argument(
         "--recompute-every",
-        type=int,
+        type=count_type(1),
         default=RECOMPUTE_EVERY,
         metavar="N",
         help=f"score it on every Nth token only, the same tokens at every length (default {RECOMPUTE_EVERY}; "
@@ -98,8 +103,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the comparison; returns the exit status."""
     started = time.perf_counter()
-    if args.recompute_every < 1:
-        raise CommandError(f"--recompute-every must be at least 1, got {args.recompute_every}.")
     docs = documents(args.data, args.text_field)  # data errors are cheaper to find than a download
     on = device(args)
     model, tokenizer, kind = load_model(args, on)
@@ -109,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
             f"{name} is a masked LM (an encoder); compare reads causal LMs. For an encoder's MLM measures "
             "use hf-attnscale eval."
         )
-    train_length = args.train_length or getattr(model.config, "max_position_embeddings", None)
+    train_length = trained_length(args, model)
     if not train_length:
         raise CommandError(f"{name}'s config gives no max_position_embeddings; pass --train-length N.")
     caches = args.caches or [min(CACHE, train_length)]

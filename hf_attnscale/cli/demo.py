@@ -9,6 +9,7 @@ from .options import (
     DEFAULT_DATA,
     DEFAULT_MODEL,
     add_output_arguments,
+    count_type,
     device,
     documents,
     dtype,
@@ -34,7 +35,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--documents",
-        type=int,
+        type=count_type(1),
         default=DOCUMENTS,
         help=f"held-out documents to evaluate (default {DOCUMENTS}; more is slower and steadier)",
     )

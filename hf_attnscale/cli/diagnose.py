@@ -15,6 +15,7 @@ from .options import (
     add_data_arguments,
     add_model_arguments,
     add_output_arguments,
+    count_type,
     device,
     documents,
     given_patch,
@@ -42,9 +43,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--length", type=length_type, default=512, help="tokens per document read (default 512)"
     )
-    parser.add_argument("--documents", type=int, default=4, help="documents read (default 4)")
+    parser.add_argument("--documents", type=count_type(1), default=4, help="documents read (default 4)")
     parser.add_argument(
-        "--sink-tokens", type=int, default=1, help="first tokens counted as the sink (default 1)"
+        "--sink-tokens", type=count_type(0), default=1, help="first tokens counted as the sink (default 1)"
     )
     add_patch_arguments(parser, PATCH_TITLE)
     add_output_arguments(parser, "hf-attnscale-diagnose")
@@ -62,9 +63,9 @@ def run(args: argparse.Namespace) -> int:
     from hf_attnscale.evaluation.corpus import tokenize_documents
 
     started = time.perf_counter()
-    options = given_patch(args)
     docs = documents(args.data, args.text_field)
     model, tokenizer, _ = load_model(args, device(args))
+    options = given_patch(args, model)
     ids = [d[: args.length] for d in tokenize_documents(tokenizer, docs) if d.numel() >= args.length]
     if not ids:
         raise CommandError(f"No document has {args.length} tokens; pass a smaller --length or longer data.")

@@ -16,12 +16,14 @@ from .options import (
     add_data_arguments,
     add_model_arguments,
     add_output_arguments,
+    count_type,
     device,
     documents,
     given_patch,
     lengths_type,
     load_model,
     model_name,
+    trained_length,
 )
 from .sweep import row_printer, run_sweep, tokenized, write_results
 
@@ -52,11 +54,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     add_patch_arguments(parser, PATCH_TITLE)
     stream_group = parser.add_argument_group("streaming (StreamingLLM SinkCache)")
-    stream_group.add_argument("--window", type=int, help="stream with a window of this many recent tokens")
-    stream_group.add_argument("--sink-tokens", type=int, help="sink tokens kept (default 4 with --window)")
+    stream_group.add_argument(
+        "--window", type=count_type(1), help="stream with a window of this many recent tokens"
+    )
+    stream_group.add_argument(
+        "--sink-tokens", type=count_type(0), help="sink tokens kept (default 4 with --window)"
+    )
     parser.add_argument("--baseline", action="store_true", help="also evaluate the unpatched model")
     parser.add_argument("--name", help="label of the configuration in the table and plot")
-    parser.add_argument("--max-documents", type=int, help="evaluate at most this many documents")
+    parser.add_argument("--max-documents", type=count_type(1), help="evaluate at most this many documents")
     parser.add_argument(
         "--measure",
         choices=("auto", "perplexity", "mlm"),
@@ -72,7 +78,6 @@ def run(args: argparse.Namespace) -> int:
     from hf_attnscale.evaluation.variants import Variant
 
     started = time.perf_counter()
-    options = given_patch(args)
     settings = _stream_settings(args)
     docs = documents(args.data, args.text_field)  # data errors are cheaper to find than a download
     rank, world = _join_processes()
@@ -80,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         args.progress = False
     on = device(args)
     model, tokenizer, kind = load_model(args, on)
+    options = given_patch(args, model)
     measure = {"auto": "mlm" if kind == "masked" else "perplexity"}.get(args.measure, args.measure)
     if measure == "mlm" and world > 1:
         raise CommandError("The MLM measures run in one process; launch hf-attnscale eval without torchrun.")
@@ -100,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         )
     variant = _variant(args, model, options, settings)
     variants = [Variant("unpatched"), variant] if args.baseline and variant.patch is not None else [variant]
-    train_length = args.scale_length or getattr(model.config, "max_position_embeddings", None)
+    train_length = trained_length(args, model)
     if measure == "mlm":
         result = _run_mlm_sweep(args, model, tokenizer, docs, variants, train_length)
     else:

@@ -67,8 +67,12 @@ def add_output_arguments(parser: argparse.ArgumentParser, out: str) -> None:
         "--device", default="auto", help="cpu, cuda, cuda:1, mps... (default: cuda if available)"
     )
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights dtype (default float32)")
-    parser.add_argument("--chunk-size", type=int, default=512, help="tokens per model call (memory only)")
-    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's, one per core)")
+    parser.add_argument(
+        "--chunk-size", type=count_type(1), default=512, help="tokens per model call (memory only)"
+    )
+    parser.add_argument(
+        "--threads", type=count_type(1), help="CPU threads for torch (default: torch's, one per core)"
+    )
     add_progress_argument(parser)
 
 
@@ -112,13 +116,38 @@ def length_type(text: str) -> int:
     return lengths[0]
 
 
-def given_patch(args: argparse.Namespace) -> dict[str, Any]:
-    """The patch options given on the command line (validated), as `hfa.patch` keywords."""
-    if args.scale != "none" and args.scale_length is None:
+def count_type(minimum: int):
+    """An argparse ``type``: an int of at least ``minimum`` (errors then name the user's own flag)."""
+
+    def read(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return read
+
+
+def trained_length(args: argparse.Namespace, model: Any) -> int | None:
+    """The one rule for the trained length: ``--train-length`` if given, else the model config's
+    ``max_position_embeddings`` (None where it has none)."""
+    given = getattr(args, "scale_length", None) or getattr(args, "train_length", None)
+    return given or getattr(model.config, "max_position_embeddings", None)
+
+
+def given_patch(args: argparse.Namespace, model: Any) -> dict[str, Any]:
+    """The patch options given on the command line (validated), as `hfa.patch` keywords; a ``--scale`` without
+    ``--train-length`` takes `trained_length`."""
+    length = trained_length(args, model)
+    if args.scale != "none" and length is None:
         raise CommandError(
-            f"--scale {args.scale} needs --train-length N, the context the model was trained at."
+            f"--scale {args.scale} needs --train-length N, the context the model was trained at (its config "
+            "gives no max_position_embeddings)."
         )
-    return patch_options(args)
+    return patch_options(args, default_length=length)
 
 
 def device(args: argparse.Namespace) -> torch.device:
@@ -126,8 +155,6 @@ def device(args: argparse.Namespace) -> torch.device:
     import torch
 
     if args.threads is not None:
-        if args.threads < 1:
-            raise CommandError(f"--threads must be at least 1, got {args.threads}.")
         torch.set_num_threads(args.threads)
     name = args.device
     if name == "auto":

@@ -49,6 +49,16 @@ def read_bool(text: str) -> bool:
     return words[text.lower()]
 
 
+def _length(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"expected a whole number of tokens, got {text!r}") from None
+    if value < 2:
+        raise ValueError(f"must be at least 2, got {value}")
+    return value
+
+
 def _sink_logit(text: str) -> float | str:
     if text == "learnable":
         return text
@@ -104,7 +114,7 @@ class AttnScaleConfig:
         default="none", metadata=_option("query scale law (default none)", choices=SCALES)
     )
     train_length: int | None = field(
-        default=None, metadata=_option("L, the length the model was trained at", parse=int, metavar="N")
+        default=None, metadata=_option("L, the length the model was trained at", parse=_length, metavar="N")
     )
     clamp: bool | None = field(default=None, metadata=_option("clamp the scale to >= 1", parse=read_bool))
     zero_kv: bool = field(

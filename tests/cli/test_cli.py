@@ -34,7 +34,11 @@ def data_file(tmp_path_factory):
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
+    """The console script's exit status and output; argparse's own errors (a flag's type) exit with 2."""
+    try:
+        code = main(list(argv))
+    except SystemExit as stop:
+        code = stop.code
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -69,13 +73,31 @@ def test_eval_writes_table_json_and_plot(model_dir, data_file, tmp_path, capsys)
     assert (out_dir / "ppl_vs_length.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.parametrize("command", ["eval", "diagnose"])
+def test_a_scale_without_train_length_takes_the_models_as_compare_does(
+    command, model_dir, data_file, tmp_path, capsys
+):
+    """One rule for the trained length in every command: --train-length, else max_position_embeddings (64)."""
+    out_dir = tmp_path / command
+    lengths = ("--lengths", "16") if command == "eval" else ("--length", "16", "--documents", "1")
+    code, _, err = run(
+        capsys,
+        *(command, "--model", str(model_dir), "--data", str(data_file), *lengths, "--scale", "logn"),
+        *("--device", "cpu", "--out", str(out_dir), "--no-progress"),
+    )
+    assert code == 0, err
+    saved = json.loads(next(out_dir.glob("*.json")).read_text())
+    patch = saved["variants"][0]["patch"] if command == "eval" else saved["patch"]
+    assert patch["scale"] == "logn" and patch["train_length"] == 64
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--model", "{tmp}/no-such-model"], r"Model directory '.*no-such-model' does not exist"),
         (["--data", "{tmp}/missing.jsonl"], r"Data file '.*missing.jsonl' does not exist"),
         (["--lengths", "64,8k"], r"No document has at least 8192 tokens .* Ask for lengths up to \d+ tokens"),
-        (["--scale", "logn"], r"--scale logn needs --train-length N"),
+        (["--scale", "logn", "--train-length", "1"], r"argument --train-length: must be at least 2, got 1$"),
         (["--sink-tokens", "4"], r"--sink-tokens needs --window W"),
         (["--zero-kv", "--sink-logit", "1.0"], r"zero_kv=True cannot be combined with a sink logit"),
         (["--device", "cuda:7"], r"torch sees no CUDA GPU|only \d+ CUDA GPU"),
@@ -329,7 +351,8 @@ def test_compare_scores_re_computation_on_a_subsample_and_says_so(model_dir, dat
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--recompute-every", "0"], r"--recompute-every must be at least 1, got 0\.$"),
+        (["--recompute-every", "0"], r"argument --recompute-every: must be at least 1, got 0$"),
+        (["--documents", "0"], r"argument --documents: must be at least 1, got 0$"),
         (["--caches", "4"], r"Each cache must hold more than the 4 sink tokens; got \[4\]\.$"),
         (["--caches", "16", "--lengths", "16,24"], r"Every length must divide the longest \(24\)"),
     ],
