@@ -1,73 +1,83 @@
 """The transformers versions this package supports, checked at import, and the shims that widen them.
 
-`check_transformers` runs first thing in ``import hf_attnscale``: a transformers outside `TRANSFORMERS`
+`check_transformers` runs first thing in ``import hf_attnscale``: a transformers outside the supported range
 stops the import with one line naming the installed and the supported versions, instead of an ImportError
-from deep inside a later import. It reads the installed version from the package metadata, so it costs no
-import of transformers. The range is the tested one (README, "Compatibility"); pyproject.toml states the
-same (tests/core/test_compat.py checks that they agree).
+from deep inside a later import. The range has one home, the transformers requirement in pyproject.toml;
+README, "Compatibility", says which releases in it were tested and why the floor is where it is.
+`supported_range` reads it from the installed package's metadata, and the installed transformers' version
+is read from its own, so the check costs no import of transformers. ``packaging`` parses and compares.
 
 The shims, each named with the transformers versions that need it:
 
-* `create_position_bias_mask`: transformers' function of that name in
+* `create_position_bias_mask`: a copy of transformers' function of that name in
   ``transformers.integrations.sdpa_attention``, new in 5.14; transformers 5.13 lacks it (so do 5.0 to 5.12).
-  ``core.attention`` folds a relative position bias (Inkling's) into the mask with it. The copy is used on
-  every version (one code path; tests/core/test_compat.py checks it against transformers' own where there is
-  one), and is written with tensor methods only, so that this module imports neither torch nor
-  transformers.
+  ``core.attention`` folds a relative position bias (Inkling's) into the mask with transformers' own where
+  the installed version has it, and with this copy only where it does not (tests/core/test_compat.py checks
+  the copy against transformers' own). It is written with tensor methods only, so that this module imports
+  neither torch nor transformers.
 
 This module is imported by ``hf_attnscale/__init__.py``: keep it free of heavy imports.
 """
 
 from __future__ import annotations
 
-import re
 from importlib import metadata
 from typing import TYPE_CHECKING
+
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 if TYPE_CHECKING:
     import torch
 
-# The supported transformers releases, [lowest, first unsupported): the oldest and newest the suite has
-# passed on are 5.13.0 and 5.23.0. Below 5.13 `SinkCacheLayer` is abstract (transformers' cache layers
-# had get_max_cache_shape where 5.13 has get_max_length).
-TRANSFORMERS = ("5.13.0", "6")
+DISTRIBUTION = "hf_attnscale"
+"""The distribution whose metadata states the supported range."""
 
 
 class UnsupportedVersionError(ImportError):
     """The installed transformers is outside the range this package supports."""
 
 
-def release(version: str) -> tuple[int, ...]:
-    """The release numbers at the front of a version: '5.10.4' -> (5, 10, 4), '5.24.0.dev0' -> (5, 24, 0).
-
-    A pre-release or development version counts as its release, so a source build of the next transformers
-    passes the check and its 6.0 pre-releases do not."""
-    match = re.match(r"\d+(?:\.\d+)*", version.strip())
-    if match is None:
-        raise ValueError(f"not a version: {version!r}")
-    numbers = [int(part) for part in match.group().split(".")]
-    while len(numbers) > 1 and numbers[-1] == 0:  # 6 == 6.0 == 6.0.0
-        numbers.pop()
-    return tuple(numbers)
+def supported_range() -> SpecifierSet | None:
+    """The supported transformers releases: the transformers requirement of the installed package's metadata
+    (pyproject.toml's, as installed); None where the package is not installed (imported from a source folder
+    on the path), which then checks nothing: install it (``pip install -e .``) for the check."""
+    try:
+        requirements = metadata.requires(DISTRIBUTION) or []
+    except metadata.PackageNotFoundError:
+        return None
+    for text in requirements:
+        requirement = Requirement(text)
+        if canonicalize_name(requirement.name) == "transformers" and requirement.marker is None:
+            return requirement.specifier
+    return None
 
 
 def supported_transformers() -> str:
-    """The supported range as a requirement specifier: '>=5.13.0,<6'."""
-    low, high = TRANSFORMERS
-    return f">={low},<{high}"
+    """The supported range as a requirement specifier, lower bounds first: '>=5.13.0,<6'."""
+    specifiers = supported_range() or SpecifierSet()
+    return ",".join(
+        sorted((str(s) for s in specifiers), key=lambda s: (not s.startswith((">", "~", "=")), s))
+    )
 
 
 def check_transformers(installed: str | None = None) -> None:
     """Raise UnsupportedVersionError, one line naming both versions, where the installed transformers (or
-    ``installed``) is outside `TRANSFORMERS`. With no transformers installed there is nothing to check: the
-    import that needs it says so."""
+    ``installed``) is outside `supported_range`. With no transformers installed there is nothing to check:
+    the import that needs it says so.
+
+    A pre-release, development or local version counts as its release ('5.24.0.dev0' as 5.24.0), so a
+    source build of the next transformers passes the check and its 6.0 pre-releases do not. A version that
+    is no version raises packaging's InvalidVersion (a ValueError)."""
     if installed is None:
         try:
             installed = metadata.version("transformers")
         except metadata.PackageNotFoundError:
             return
-    low, high = TRANSFORMERS
-    if not release(low) <= release(installed) < release(high):
+    specifiers = supported_range()
+    if specifiers is not None and not specifiers.contains(Version(installed).base_version):
         wanted = supported_transformers()
         raise UnsupportedVersionError(
             f"hf_attnscale supports transformers{wanted}, but transformers {installed} is installed: "
@@ -82,10 +92,10 @@ def create_position_bias_mask(
     query: torch.Tensor,
     key: torch.Tensor,
 ) -> torch.Tensor:
-    """transformers 5.14's function of the same name: an additive float mask for sdpa, ``position_bias``
-    where a query may attend and the lowest finite value of the key's dtype where it may not (a boolean
-    ``attention_mask``, or causality when there is no mask and ``is_causal``); a float ``attention_mask``
-    is added to the bias."""
+    """A copy of transformers 5.14's function of the same name, for 5.13: an additive float mask for sdpa,
+    ``position_bias`` where a query may attend and the lowest finite value of the key's dtype where it may
+    not (a boolean ``attention_mask``, or causality when there is no mask and ``is_causal``); a float
+    ``attention_mask`` is added to the bias."""
     if attention_mask is None:
         if not is_causal:
             return position_bias.contiguous()

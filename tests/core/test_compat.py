@@ -11,13 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from packaging.version import InvalidVersion
 
 from hf_attnscale.core import compat
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("version", ["5.13.0", "5.13.1", "5.23.0", "5.99.3", "5.24.0.dev0", "5.30.0rc1"])
+@pytest.mark.parametrize(
+    "version", ["5.13.0", "5.13", "5.13.1", "5.23.0", "5.99.3", "5.24.0.dev0", "5.30.0rc1", "5.24.0+cpu"]
+)
 def test_supported_versions_pass(version):
     compat.check_transformers(version)
 
@@ -50,13 +53,34 @@ def test_no_transformers_installed_is_left_to_the_import_that_needs_it(monkeypat
     compat.check_transformers()
 
 
-def test_release_numbers():
-    assert compat.release("5.10.4") == (5, 10, 4)
-    assert compat.release("5.24.0.dev0") == (5, 24)
-    assert compat.release("6") == compat.release("6.0.0")
-    assert compat.release("5.13") == compat.release("5.13.0") < compat.release("5.13.1")
-    with pytest.raises(ValueError, match="not a version"):
-        compat.release("main")
+def test_the_range_is_the_installed_packages_transformers_requirement(monkeypatch):
+    """The range is read from hf_attnscale's metadata (pyproject.toml as installed), not written in the
+    module: another requirement there is another range, in the message too."""
+    requires = ["torch<3,>=2.13", "transformers<5.30,>=5.20", 'transformers<5; extra == "old"', "tqdm"]
+    monkeypatch.setattr(
+        compat.metadata, "requires", lambda name: requires if name == "hf_attnscale" else None
+    )
+    assert compat.supported_transformers() == ">=5.20,<5.30"
+    for version in ("5.20", "5.20.0.dev0", "5.29.9", "5.29.0rc1+local"):
+        compat.check_transformers(version)
+    for version in ("5.19.9", "5.13.0", "5.30.0rc1", "5.30"):
+        with pytest.raises(compat.UnsupportedVersionError, match=r"transformers>=5\.20,<5\.30, but"):
+            compat.check_transformers(version)
+
+
+def test_a_source_folder_that_is_not_installed_checks_nothing(monkeypatch):
+    def missing(name):
+        raise compat.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(compat.metadata, "requires", missing)
+    assert compat.supported_range() is None
+    compat.check_transformers("4.57.6")
+
+
+def test_a_version_that_is_no_version_is_refused():
+    with pytest.raises(InvalidVersion, match="main"):
+        compat.check_transformers("main")
+    assert issubclass(InvalidVersion, ValueError)
 
 
 def test_pyproject_states_the_checked_range():
