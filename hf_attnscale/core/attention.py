@@ -20,9 +20,10 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from transformers.integrations import sdpa_attention
 
+from . import compat
 from .clipped import clipped_softmax_attention
-from .compat import create_position_bias_mask
 from .exit import combined_exit_logits, extra_key_attention
 from .fused_exit import exit_attention
 from .gate import apply_gate
@@ -32,6 +33,11 @@ from .masks import visible_key_counts
 from .state import AttnScaleState
 
 AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+create_position_bias_mask = getattr(
+    sdpa_attention, "create_position_bias_mask", compat.create_position_bias_mask
+)
+"""transformers' own (5.14 and later); `hf_attnscale.core.compat`'s copy where the installed one lacks it."""
 
 
 def scaled_attention(

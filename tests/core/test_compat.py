@@ -136,6 +136,18 @@ def test_position_bias_mask_copy_matches_transformers():
         assert torch.equal(ours, theirs), (bias.dtype, None if mask is None else mask.dtype, causal)
 
 
+def test_the_patch_uses_transformers_position_bias_mask_where_it_has_one():
+    """The copy is only for a transformers without its own (5.13): on 5.14 and later the patch folds a
+    position bias into the mask with transformers' function itself."""
+    from transformers.integrations import sdpa_attention
+
+    from hf_attnscale.core import attention
+
+    theirs = getattr(sdpa_attention, "create_position_bias_mask", None)
+    expected = compat.create_position_bias_mask if theirs is None else theirs
+    assert attention.create_position_bias_mask is expected
+
+
 def test_position_bias_mask_blocks_with_the_lowest_finite_value():
     query = torch.zeros(1, 1, 3, 4)
     key = torch.zeros(1, 1, 4, 4, dtype=torch.bfloat16)
