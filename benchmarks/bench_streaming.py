@@ -39,8 +39,7 @@ import time
 
 import torch
 import transformers
-from bench_overhead import SHAPES
-from bench_overhead import build_model as build_shape
+from bench_overhead import SHAPES, build_model as build_shape
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, StoppingCriteria
 
 import hf_attnscale as hfa

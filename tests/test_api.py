@@ -270,3 +270,31 @@ def test_every_patch_option_reaches_the_api_the_cli_and_lm_eval():
             lm_eval.HFAttnScaleLM(pretrained="no-such-model", **{name: bad})
     with pytest.raises(ValueError, match=r"Unknown patch option.*scale, train_length"):
         hfa.patch(tiny_model("llama"), scael="logn")
+
+
+def test_the_public_api_is_declared_once_in_the_stub():
+    """``__init__.pyi`` is the one list: every name it imports resolves to that object, ``__all__`` is its names
+    (less HFAttnScaleLM, which needs lm-eval); in a fresh process the import pays for no torch until a name is
+    used, and a star import works without lm-eval's model type."""
+    import ast
+    import subprocess
+    import sys
+    from importlib import import_module
+    from pathlib import Path
+
+    stub = ast.parse((Path(hfa.__file__).parent / "__init__.pyi").read_text())
+    declared = {}
+    for node in stub.body:
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                declared[alias.name] = f"hf_attnscale.{node.module}" if node.module else None
+    assert {"patch", "SinkCache", "fetch", "HFAttnScaleLM", "diagnostics"} <= set(declared)
+    for name, module in declared.items():
+        expected = (
+            import_module(f"hf_attnscale.{name}") if module is None else getattr(import_module(module), name)
+        )
+        assert getattr(hfa, name) is expected, name
+    assert sorted(hfa.__all__) == sorted(set(declared) - {"HFAttnScaleLM"})
+    code = "import sys, hf_attnscale\nprint('torch' in sys.modules)\nfrom hf_attnscale import *\nprint(callable(patch))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "True"]

@@ -28,8 +28,7 @@ from conftest import (
     stream_logits,
     tiny_model,
 )
-from model_zoo import reference_of
-from model_zoo import tiny_model as zoo_model
+from model_zoo import reference_of, tiny_model as zoo_model
 from reference import reference_attention
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.utils import is_flash_attn_2_available

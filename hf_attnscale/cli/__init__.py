@@ -23,8 +23,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import compare, demo, diagnose, fetch, lm_eval
-from . import eval as evaluate  # the module of the `eval` command (its own name would hide the builtin)
+from . import (
+    compare,
+    demo,
+    diagnose,
+    eval as evaluate,  # the module of the `eval` command (its own name would hide the builtin)
+    fetch,
+    lm_eval,
+)
 from .options import CommandError
 
 COMMANDS = (demo, compare, evaluate, diagnose, fetch, lm_eval)

@@ -1,0 +1,32 @@
+# The public API, declared once: type checkers read it, and __init__.py (lazy_loader) imports each name on first
+# use. "X as X" marks a re-export.
+from . import (
+    cli as cli,
+    core as core,
+    diagnostics as diagnostics,
+    evaluation as evaluation,
+    integrations as integrations,
+    streaming as streaming,
+    training as training,
+)
+from .core.config import AttnScaleConfig as AttnScaleConfig
+from .core.families import supported_model_types as supported_model_types
+from .core.loading import from_pretrained as from_pretrained
+from .core.patching import patch as patch, patched as patched, unpatch as unpatch
+from .core.state import get_config as get_config
+from .evaluation.perplexity import PerplexityResult as PerplexityResult, perplexity as perplexity
+from .evaluation.real_checkpoints import fetch as fetch
+from .evaluation.report import SweepResult as SweepResult
+from .evaluation.sweep import sweep as sweep
+from .evaluation.variants import Variant as Variant
+from .integrations.lm_eval_harness import HFAttnScaleLM as HFAttnScaleLM
+from .integrations.peft_adapters import (
+    adapter_patch_config as adapter_patch_config,
+    load_adapter as load_adapter,
+    lora_config as lora_config,
+    trainable_parameters as trainable_parameters,
+)
+from .streaming.cache import SinkCache as SinkCache
+
+__version__: str
+__all__: list[str]
