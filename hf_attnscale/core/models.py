@@ -7,24 +7,28 @@ from typing import Any
 from torch import nn
 
 
-def unwrap(model: Any) -> nn.Module:
-    """The transformers model inside ``model``, through any stack of wrappers.
+def wrapped(module: Any) -> nn.Module | None:
+    """The module that ``module`` wraps, one level down, or None where it is no wrapper: PEFT's
+    ``get_base_model()``, ``DataParallel`` / ``DistributedDataParallel``'s ``.module``, ``torch.compile``'s
+    ``_orig_mod``."""
+    if isinstance(module, nn.Module) and callable(getattr(module, "get_base_model", None)):
+        inner = module.get_base_model()
+    elif isinstance(module, nn.DataParallel | nn.parallel.DistributedDataParallel):
+        inner = module.module
+    elif isinstance(module, nn.Module) and isinstance(getattr(module, "_orig_mod", None), nn.Module):
+        inner = module._orig_mod  # torch.compile's OptimizedModule keeps the model here
+    else:
+        return None
+    return None if inner is module else inner
 
-    Follows PEFT's ``get_base_model()``, ``DataParallel`` / ``DistributedDataParallel``'s ``.module`` and
-    ``torch.compile``'s ``_orig_mod``. Raises ValueError for anything that is not a model with a ``config``.
+
+def unwrap(model: Any) -> nn.Module:
+    """The transformers model inside ``model``, through any stack of wrappers (`wrapped`).
+
+    Raises ValueError for anything that is not a model with a ``config``.
     """
     seen = model
-    while True:
-        if isinstance(seen, nn.Module) and callable(getattr(seen, "get_base_model", None)):
-            inner = seen.get_base_model()
-        elif isinstance(seen, nn.DataParallel | nn.parallel.DistributedDataParallel):
-            inner = seen.module
-        elif isinstance(seen, nn.Module) and isinstance(getattr(seen, "_orig_mod", None), nn.Module):
-            inner = seen._orig_mod  # torch.compile's OptimizedModule keeps the model here
-        else:
-            break
-        if inner is seen:
-            break
+    while (inner := wrapped(seen)) is not None:
         seen = inner
     if not isinstance(seen, nn.Module) or getattr(seen, "config", None) is None:
         raise ValueError(

@@ -24,6 +24,7 @@ from torch import nn
 from .families import Rotary
 from .gate import gate_input
 from .hooks import HOOKS_KWARG, CallHooks, ambient_hooks, using_hooks
+from .models import wrapped
 
 ATTENTION_STEP = "attention_step"
 CACHE_ARGUMENTS = ("past_key_values", "cache", "layer_past")
@@ -40,9 +41,17 @@ def _signature(function) -> inspect.Signature:
 def cache_argument(module: nn.Module) -> str:
     """The name under which ``module``'s forward (an attention module's, or a whole model's) takes the cache:
     ``past_key_values`` (transformers < 5.24), ``cache`` (5.24 on, where the old name is deprecated) or
-    GPT-NeoX's ``layer_past``; ``past_key_values`` when the forward names none (a PEFT wrapper)."""
-    parameters = _signature(type(module).forward).parameters
-    return next((name for name in CACHE_ARGUMENTS if name in parameters), CACHE_ARGUMENTS[0])
+    GPT-NeoX's ``layer_past``. A wrapper whose forward names none (PEFT's ``PeftModelForCausalLM``, which
+    passes its keywords on; DataParallel; torch.compile) takes it under the name of the model it wraps;
+    ``past_key_values`` where no forward names one."""
+    seen: nn.Module | None = module
+    while seen is not None:
+        parameters = _signature(type(seen).forward).parameters
+        name = next((name for name in CACHE_ARGUMENTS if name in parameters), None)
+        if name is not None:
+            return name
+        seen = wrapped(seen)
+    return CACHE_ARGUMENTS[0]
 
 
 def cache_routed_forward(self: nn.Module, *args, **kwargs):

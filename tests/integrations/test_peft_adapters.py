@@ -11,15 +11,17 @@ import pickle
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import DECODERS, ENCODERS, VOCAB, tiny_config, tiny_model
+from conftest import DECODERS, ENCODERS, VOCAB, sharp_model, tiny_config, tiny_model
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
 import hf_attnscale as hfa
+from hf_attnscale.core.routing import cache_argument
 from hf_attnscale.integrations.peft_adapters import ADAPTER_PATCH_FILE, attention_projections
 
 # A patch with both kinds of parameters (per-head sink logits and SSMax slopes), active at 16 tokens.
@@ -517,3 +519,22 @@ def test_example_runs(tmp_path):
     assert hfa.adapter_patch_config(tmp_path) == hfa.AttnScaleConfig(
         scale="logn", train_length=128, sink_logit="learnable"
     )
+
+
+@pytest.mark.parametrize("method", ["dense", "stream"])
+def test_perplexity_through_a_peft_wrapper_passes_the_cache_as_the_model_names_it(method):
+    """PeftModelForCausalLM's forward names no cache argument: the chunked read passes the cache under the
+    name the wrapped model's forward takes (``cache`` from transformers 5.24 on, where ``past_key_values``
+    raises a FutureWarning), and scores as the unwrapped model does (LoRA starts as the identity)."""
+    model = hfa.patch(sharp_model("llama"), scale="logn", train_length=8, zero_kv=True)
+    wrapped = get_peft_model(copy.deepcopy(model), hfa.lora_config(model, r=4))
+    assert cache_argument(wrapped) == cache_argument(model)
+    ids = torch.randint(3, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+
+    def ppl(m):
+        cache = hfa.SinkCache(2, 12) if method == "stream" else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            return hfa.perplexity(m, ids, cache, method=method, chunk_size=8, progress=False).nll
+
+    torch.testing.assert_close(ppl(wrapped), ppl(model), rtol=0, atol=1e-6)
