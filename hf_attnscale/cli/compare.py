@@ -67,8 +67,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--sink-tokens",
         type=count_type(0),
-        default=4,
-        help="sink tokens of the sink+window caches (default 4)",
+        help="sink tokens of the sink+window caches (default: SinkCache's, StreamingLLM's choice)",
     )
     parser.add_argument(
         "--lengths",
@@ -116,6 +115,10 @@ def run(args: argparse.Namespace) -> int:
     if not train_length:
         raise CommandError(f"{name}'s config gives no max_position_embeddings; pass --train-length N.")
     caches = args.caches or [min(CACHE, train_length)]
+    if args.sink_tokens is None:
+        from hf_attnscale.streaming.cache import DEFAULT_SINK_TOKENS
+
+        args.sink_tokens = DEFAULT_SINK_TOKENS
     if min(caches) <= args.sink_tokens:
         raise CommandError(
             f"Each cache must hold more than the {args.sink_tokens} sink tokens; got {caches}."

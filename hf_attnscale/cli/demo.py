@@ -7,7 +7,6 @@ import time
 
 from .options import (
     DEFAULT_DATA,
-    DEFAULT_MODEL,
     add_output_arguments,
     count_type,
     device,
@@ -46,12 +45,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns the exit status."""
-    from hf_attnscale.evaluation.models import load_default_model
+    from hf_attnscale.evaluation import models
     from hf_attnscale.evaluation.sweep import demo_variants
 
     started = time.perf_counter()
     on = device(args)
-    model, tokenizer = load_default_model(device=on, dtype=dtype(args.dtype, default="float32"))
+    model, tokenizer = models.load_default_model(device=on, dtype=dtype(args.dtype, default="float32"))
     train_length = model.config.max_position_embeddings
     texts = tokenized(tokenizer, documents(DEFAULT_DATA))
     result = run_sweep(
@@ -67,8 +66,8 @@ def run(args: argparse.Namespace) -> int:
         args,
         result,
         started,
-        model=DEFAULT_MODEL,
+        model=models.DEFAULT_MODEL,
         data=DEFAULT_DATA,
         device=str(on),
-        title=f"{DEFAULT_MODEL} (trained at {train_length} tokens), held-out stdlib sources",
+        title=f"{models.DEFAULT_MODEL} (trained at {train_length} tokens), held-out stdlib sources",
     )

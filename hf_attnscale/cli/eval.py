@@ -58,7 +58,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--window", type=count_type(1), help="stream with a window of this many recent tokens"
     )
     stream_group.add_argument(
-        "--sink-tokens", type=count_type(0), help="sink tokens kept (default 4 with --window)"
+        "--sink-tokens",
+        type=count_type(0),
+        help="sink tokens kept (default with --window: SinkCache's, StreamingLLM's choice)",
     )
     parser.add_argument("--baseline", action="store_true", help="also evaluate the unpatched model")
     parser.add_argument("--name", help="label of the configuration in the table and plot")
@@ -91,16 +93,16 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError("The MLM measures run in one process; launch hf-attnscale eval without torchrun.")
     if measure == "perplexity" and kind == "masked":
         raise CommandError(
-            f"{args.model} is a masked LM (an encoder): causal perplexity means nothing for it. Its measures "
+            f"{model_name(args)} is a masked LM (an encoder): causal perplexity means nothing for it. Its measures "
             "are MLM accuracy and pseudo-perplexity: pass --measure mlm (or leave --measure auto)."
         )
     if measure == "mlm" and kind == "causal":
-        raise CommandError(f"{args.model} is a causal LM; --measure mlm is for masked LMs (encoders).")
+        raise CommandError(f"{model_name(args)} is a causal LM; --measure mlm is for masked LMs (encoders).")
     from hf_attnscale.evaluation.models import has_lm_head
 
     if not has_lm_head(model.config):
         raise CommandError(
-            f"{args.model} was saved without its language-model head ({', '.join(model.config.architectures)}: "
+            f"{model_name(args)} was saved without its language-model head ({', '.join(model.config.architectures)}: "
             "a bare encoder, such as a sentence encoder), so its MLM measures would come from a head initialised "
             "at random. hf-attnscale diagnose reads it: attention and activation statistics need no head."
         )
@@ -205,7 +207,7 @@ def _run_mlm_sweep(
     from hf_attnscale.evaluation.mlm import mlm_sweep
 
     if tokenizer.mask_token_id is None:
-        raise CommandError(f"The tokenizer of {args.model} has no mask token; MLM measures need one.")
+        raise CommandError(f"The tokenizer of {model_name(args)} has no mask token; MLM measures need one.")
     return mlm_sweep(
         model,
         tokenize_documents(tokenizer, docs),

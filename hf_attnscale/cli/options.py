@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hf_attnscale.core.config import default_train_length
 from hf_attnscale.patch_flags import patch_options
 
 if TYPE_CHECKING:
@@ -20,7 +21,6 @@ if TYPE_CHECKING:
 
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 DEFAULT_DATA = "builtin:stdlib-heldout"
-DEFAULT_MODEL = "builtin:tiny-llama-stdlib"
 PATCH_TITLE = "patch options (hf_attnscale.patch; they replace a saved patch)"
 
 
@@ -43,10 +43,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """``--model``, ``--gguf-file`` and ``--attn-implementation``."""
     parser.add_argument(
         "--model",
-        default=DEFAULT_MODEL,
-        help=f"local directory, Hugging Face Hub id, .gguf file, or a real checkpoint's name (smollm2-135m, "
-        f"gemma3-270m, minilm-l6: fetched on first use; see hf-attnscale fetch) (default: the shipped "
-        f"{DEFAULT_MODEL})",
+        help="local directory, Hugging Face Hub id, .gguf file, or a real checkpoint's name (smollm2-135m, "
+        "gemma3-270m, minilm-l6: fetched on first use; see hf-attnscale fetch) (default: the shipped tiny "
+        "Llama, builtin:tiny-llama-stdlib)",
     )
     parser.add_argument(
         "--gguf-file",
@@ -132,10 +131,11 @@ def count_type(minimum: int):
 
 
 def trained_length(args: argparse.Namespace, model: Any) -> int | None:
-    """The one rule for the trained length: ``--train-length`` if given, else the model config's
-    ``max_position_embeddings`` (None where it has none)."""
+    """The trained length by the one rule (`hf_attnscale.core.config.default_train_length`, which the lm-eval
+    model type follows too): ``--train-length`` if given, else the model config's ``max_position_embeddings``
+    (None where it has none)."""
     given = getattr(args, "scale_length", None) or getattr(args, "train_length", None)
-    return given or getattr(model.config, "max_position_embeddings", None)
+    return default_train_length(given, model.config)
 
 
 def given_patch(args: argparse.Namespace, model: Any) -> dict[str, Any]:
@@ -191,7 +191,7 @@ def load_model(args: argparse.Namespace, on: torch.device) -> tuple[Any, Any, st
     progress = getattr(args, "progress", None)
     progress = sys.stderr.isatty() if progress is None else progress
     return models.load_model(
-        args.model,
+        model_source(args),
         on,
         dtype(args.dtype),
         args.attn_implementation,
@@ -200,13 +200,20 @@ def load_model(args: argparse.Namespace, on: torch.device) -> tuple[Any, Any, st
     )
 
 
+def model_source(args: argparse.Namespace) -> str:
+    """``--model``, else the shipped model (`hf_attnscale.evaluation.models.DEFAULT_MODEL`)."""
+    from hf_attnscale.evaluation.models import DEFAULT_MODEL
+
+    return args.model or DEFAULT_MODEL
+
+
 def model_name(args: argparse.Namespace) -> str:
-    """The model as given, for titles and records: ``--model``, with ``--gguf-file`` if one is given."""
+    """The model as given, for titles and records: `model_source`, with ``--gguf-file`` if one is given."""
     if args.gguf_file is None:
-        return args.model
+        return model_source(args)
     from hf_attnscale.evaluation.models import split_gguf
 
-    return "/".join(split_gguf(args.model, args.gguf_file))
+    return "/".join(split_gguf(model_source(args), args.gguf_file))
 
 
 def documents(data: str, text_field: str = "text") -> list[Document]:
