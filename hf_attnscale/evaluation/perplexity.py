@@ -250,6 +250,11 @@ def windowed_perplexity(
     ``bos_id`` is given: then every window after a document's first is read behind a BOS token (as the
     model was trained; the first opens with the document's own), and all of its tokens are scored. A final
     partial window is scored if it has at least two tokens.
+
+    This is perplexity at one window over every token of every document. The length sweep
+    (`hf_attnscale.evaluation.sweep.sweep`) answers another question, how perplexity changes with the context
+    alone: it keeps only documents of at least the longest length, cut to it, so that every length scores the
+    same tokens.
     """
     nll_sum, count = 0.0, 0
     for doc in token_docs:
