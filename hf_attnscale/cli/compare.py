@@ -177,11 +177,7 @@ def comparison_variants(
     if longest > train_length:
         variants.append(Variant("logn", patch={"scale": "logn", "train_length": train_length}))
     for cache in caches:
-        window = cache - sink_tokens
-        variants += [
-            Variant(f"window-only ({cache})", window=cache),
-            Variant(f"sink+window ({sink_tokens}+{window})", sink_tokens=sink_tokens, window=window),
-        ]
+        variants += [Variant.streamed(cache, 0), Variant.streamed(cache, sink_tokens)]
     return variants
 
 

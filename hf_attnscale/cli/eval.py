@@ -160,7 +160,9 @@ def describe(options: dict[str, Any], sink_tokens: int, window: int | None) -> s
     if options.get("gate") is not None:
         parts.append(f"gate={options['gate']}")
     if window is not None:
-        parts.append(f"sink+window ({sink_tokens}+{window})" if sink_tokens else f"window-only ({window})")
+        from hf_attnscale.evaluation.variants import cache_label
+
+        parts.append(cache_label(sink_tokens, window))
     return " + ".join(parts) or "unpatched"
 
 

@@ -58,14 +58,19 @@ def demo_variants(
     """
     logn = {"scale": "logn", "train_length": train_length}
     capacity = train_length + bos
-    window, wide = capacity - sink_tokens, capacity + train_length - sink_tokens
+    wide = Variant.streamed(capacity + train_length, sink_tokens)
     return [
         Variant("unpatched"),
         Variant("logn", patch=logn),
-        Variant(f"window-only ({capacity})", window=capacity),
-        Variant(f"sink+window ({sink_tokens}+{window})", sink_tokens=sink_tokens, window=window),
-        Variant(f"sink+window ({sink_tokens}+{wide})", sink_tokens=sink_tokens, window=wide),
-        Variant(f"streaming+logn ({sink_tokens}+{wide})", patch=logn, sink_tokens=sink_tokens, window=wide),
+        Variant.streamed(capacity, 0),
+        Variant.streamed(capacity, sink_tokens),
+        wide,
+        Variant(
+            f"streaming+logn ({sink_tokens}+{wide.window})",
+            patch=logn,
+            sink_tokens=sink_tokens,
+            window=wide.window,
+        ),
     ]
 
 

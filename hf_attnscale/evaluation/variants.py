@@ -14,6 +14,11 @@ from hf_attnscale.core.patching import patched
 from hf_attnscale.streaming.cache import SinkCache, cache_settings
 
 
+def cache_label(sink_tokens: int, window: int) -> str:
+    """How tables name a streaming cache: ``window-only (W)``, or ``sink+window (S+W)`` with sink tokens."""
+    return f"sink+window ({sink_tokens}+{window})" if sink_tokens else f"window-only ({window})"
+
+
 @dataclass(frozen=True)
 class Variant:
     """One way of running a model in a sweep.
@@ -44,6 +49,17 @@ class Variant:
             object.__setattr__(self, "patch", {})
         if self.patch is not None:
             object.__setattr__(self, "config", AttnScaleConfig(**self.patch))
+
+    @classmethod
+    def streamed(
+        cls, cache: int, sink_tokens: int, patch: Mapping[str, Any] | None = None, name: str | None = None
+    ) -> Variant:
+        """Streaming through a cache of ``cache`` tokens: ``sink_tokens`` sinks and a window of the rest, named
+        by `cache_label` unless ``name`` is given."""
+        window = cache - sink_tokens
+        return cls(
+            name or cache_label(sink_tokens, window), patch=patch, sink_tokens=sink_tokens, window=window
+        )
 
     @property
     def streaming(self) -> bool:
