@@ -271,6 +271,13 @@ OPTIONS: dict[str, Field] = {f.name: f for f in fields(AttnScaleConfig) if f.nam
 OPTION_NAMES: tuple[str, ...] = tuple(OPTIONS)
 
 
+def default_train_length(given: int | None, model_config: Any) -> int | None:
+    """The one rule for a scale's L where the user may leave it out (the CLI's ``--train-length``, the lm-eval
+    model type's ``train_length=``): the length given, else the model config's ``max_position_embeddings``;
+    None where there is neither (recurrent_gemma's config, for one, has no such field)."""
+    return given if given is not None else getattr(model_config, "max_position_embeddings", None)
+
+
 def _from_text(name: str, value: Any) -> Any:
     """``value`` of option ``name`` read as the option reads text, if it is text (else as given)."""
     option = OPTIONS.get(name)

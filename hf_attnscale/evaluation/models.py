@@ -165,21 +165,9 @@ def load_model(
         FetchError: a real checkpoint could not be fetched.
     """
     name, gguf_file = split_gguf(name, gguf_file)
-    resolved = resolve_model_path(name, progress=progress)
-    path = Path(resolved).expanduser()
-    # Anything that cannot be a Hub id ("org/name") is a local path; never send it to the Hub.
-    looks_local = path.exists() or resolved.startswith((".", "/", "~")) or resolved.count("/") > 1
-    needed = gguf_file or "config.json"
-    if looks_local and not (path / needed).is_file():
-        what = "does not exist" if not path.exists() else f"has no {needed}"
-        raise FileNotFoundError(
-            f"Model directory {resolved!r} {what}; pass a saved model directory, a Hub id or a GGUF file."
-        )
-    source = str(path) if looks_local else resolved
-    if not looks_local:
-        _check_hub_reachable(source, needed)
-    if gguf_file:
-        check_gguf_file(path / gguf_file)  # before transformers reads it (a local file only)
+    source = checked_source(name, gguf_file, progress=progress)
+    if gguf_file:  # checked before transformers reads it (a local file only)
+        check_gguf_file(Path(source).expanduser() / gguf_file)
     gguf = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         config = AutoConfig.from_pretrained(source, **gguf)
@@ -190,11 +178,7 @@ def load_model(
             model_class, source, dtype=dtype, attn_implementation=attn_implementation, **gguf
         )
     except OSError as err:
-        raise FileNotFoundError(
-            f"Cannot load model {name!r}: it is not a local directory or a real checkpoint's name "
-            f"({', '.join(REAL_CHECKPOINTS)}), and the Hugging Face Hub could not provide it (offline, "
-            f"private, or no such id). {err}"
-        ) from err
+        raise cannot_load(name, err) from err
     except ImportError as err:
         if gguf_file and "gguf" in str(err).lower():
             raise ValueError(
@@ -204,6 +188,51 @@ def load_model(
             f"attn_implementation={attn_implementation!r} cannot run here: {err} Use sdpa (or eager) instead."
         ) from None
     return model.to(device).eval(), tokenizer, kind
+
+
+def checked_source(name: str, gguf_file: str | None = None, *, progress: bool = True) -> str:
+    """What ``from_pretrained`` loads for a model named as the commands take it (after `split_gguf`): a local
+    folder, or a Hub id that is cached or can be fetched. Checked before anything is loaded, so that a name
+    that is nothing is one line at once, not a minute of Hub retries.
+
+    `resolve_model_path` first (the shipped model, a real checkpoint fetched on first use). Then anything that
+    cannot be a Hub id (a path starting with ``.``, ``/`` or ``~``, or with more than one ``/``) or that
+    exists is a local folder, which must hold ``config.json`` (or ``gguf_file``); anything else is a Hub id,
+    which must be in the Hugging Face cache or the Hub must be usable (`_check_hub_reachable`: not with
+    ``HF_HUB_OFFLINE``, nor where the Hub does not answer within a few seconds). A Hub id that the Hub does not
+    have is left to the loader, whose OSError `cannot_load` words in one line.
+
+    Raises:
+        FileNotFoundError: no such local folder (or it lacks the file), or an uncached Hub id while the Hub is
+            off or unreachable.
+        ValueError: a near miss of a real checkpoint's name, or an unknown ``builtin:`` name.
+        FetchError: a real checkpoint could not be fetched.
+    """
+    resolved = resolve_model_path(name, progress=progress)
+    path = Path(resolved).expanduser()
+    # Anything that cannot be a Hub id ("org/name") is a local path; never send it to the Hub.
+    looks_local = path.exists() or resolved.startswith((".", "/", "~")) or resolved.count("/") > 1
+    needed = gguf_file or "config.json"
+    if looks_local and not (path / needed).is_file():
+        what = "does not exist" if not path.exists() else f"has no {needed}"
+        raise FileNotFoundError(
+            f"Model directory {resolved!r} {what}; pass a saved model directory, a Hub id or a GGUF file."
+        )
+    if looks_local:
+        return str(path)
+    _check_hub_reachable(resolved, needed)
+    return resolved
+
+
+def cannot_load(name: str, err: OSError) -> FileNotFoundError:
+    """The one-line error for a model that transformers could not load from ``name`` (its OSError, often
+    several lines, joined into one)."""
+    reason = " ".join(str(err).split())
+    return FileNotFoundError(
+        f"Cannot load model {name!r}: it is not a local directory or a real checkpoint's name "
+        f"({', '.join(REAL_CHECKPOINTS)}), and the Hugging Face Hub could not provide it (offline, "
+        f"private, or no such id). {reason}"
+    )
 
 
 def _check_hub_reachable(repo: str, filename: str = "config.json") -> None:

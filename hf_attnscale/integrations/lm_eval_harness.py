@@ -17,7 +17,10 @@ Importing this module needs lm-eval (``pip install hf_attnscale[eval]``); ``impo
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,14 +36,26 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
 from hf_attnscale.core.checkpoint import check_gguf_file
-from hf_attnscale.core.config import OPTION_NAMES, AttnScaleConfig, read_saved_config
+from hf_attnscale.core.config import (
+    OPTION_NAMES,
+    AttnScaleConfig,
+    default_train_length,
+    read_saved_config,
+)
 from hf_attnscale.core.loading import from_pretrained
 from hf_attnscale.core.patching import patch
 from hf_attnscale.core.state import get_config
 from hf_attnscale.evaluation.corpus import builtin_documents
 from hf_attnscale.evaluation.mlm import pseudo_log_likelihood
-from hf_attnscale.evaluation.models import default_model_path, model_kind, resolve_model_path, split_gguf
+from hf_attnscale.evaluation.models import (
+    cannot_load,
+    checked_source,
+    default_model_path,
+    model_kind,
+    split_gguf,
+)
 from hf_attnscale.evaluation.perplexity import perplexity
+from hf_attnscale.evaluation.real_checkpoints import FetchError
 from hf_attnscale.streaming.cache import SinkCache, cache_settings
 from hf_attnscale.streaming.pos_shift import check_streaming_model
 from hf_attnscale.validation import check_int
@@ -50,14 +65,39 @@ TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
 """The package's lm-eval task configs (the built-in corpus at several lengths, templates, Hub corpora)."""
 
 
-class _SavedPatchLoader:
-    """Stands in for HFLM's ``AUTO_MODEL_CLASS``: loads with `hfa.from_pretrained`, saved patch included."""
+class ModelArgsError(ValueError):
+    """A ``model_args`` value the ``hf-attnscale`` model type cannot use (an option, a key, the model's name).
 
-    def __init__(self, auto_class: type) -> None:
+    Raised before the model loads, in one line; ``hf-attnscale lm-eval`` prints it as its error, with no
+    traceback, and exits with status 2.
+    """
+
+    def __init__(self, message: Any) -> None:
+        super().__init__(" ".join(str(message).split()))
+
+
+class _SavedPatchLoader:
+    """Stands in for HFLM's ``AUTO_MODEL_CLASS``: loads with `hfa.from_pretrained`, saved patch included.
+
+    ``forwarded``: the model_args keys that neither HFAttnScaleLM nor HFLM takes, which HFLM hands on to
+    ``from_pretrained``. Where transformers takes one neither as a loading option nor as a config field, the
+    model class's ``__init__`` refuses it (a TypeError, raised before any weight is read): that becomes a
+    one-line `ModelArgsError` listing the keys there are. Which keys transformers takes is its own business
+    (``attn_implementation``, ``device_map``, a config field such as ``use_cache``...): none is refused here.
+    """
+
+    def __init__(self, auto_class: type, forwarded: frozenset[str] = frozenset()) -> None:
         self.auto_class = auto_class
+        self.forwarded = forwarded
 
     def from_pretrained(self, *args: Any, **kwargs: Any):
-        return from_pretrained(self.auto_class, *args, **kwargs)
+        try:
+            return from_pretrained(self.auto_class, *args, **kwargs)
+        except TypeError as err:
+            refused = re.search(r"unexpected keyword argument '(\w+)'", str(err))
+            if refused is None or refused[1] not in self.forwarded:
+                raise
+            raise ModelArgsError(_unknown_key(refused[1])) from err
 
 
 class HFAttnScaleLM(HFLM):
@@ -81,13 +121,22 @@ class HFAttnScaleLM(HFLM):
         scale, train_length, ...: the `hf_attnscale.patch` options (`AttnScaleConfig`'s fields; their text as on
             the command line, but ``clipped_softmax`` as ``"GAMMA;ZETA"``, model_args being comma-separated).
             With none of them, a checkpoint saved from a patched model (``hf_attnscale`` in its config) is
-            patched as saved, and any other model runs as loaded.
+            patched as saved, and any other model runs as loaded. A scale without ``train_length`` takes the
+            saved config's ``max_position_embeddings``, as ``--scale`` without ``--train-length`` does on the
+            command line (`hf_attnscale.core.config.default_train_length`).
         sink_tokens: sink tokens of the streaming cache (default 4 when ``window`` is given; 0: window-only).
         window: recent tokens each query sees while streaming; None (default) keeps lm-eval's windows.
         chunk_size: tokens per model call while streaming (memory only; results do not depend on it).
         gguf_file: a GGUF file in the ``pretrained`` folder or Hub repo (or a path to one), loaded de-quantised
             to a plain model (`hf_attnscale.from_pretrained`).
-        **kwargs: everything ``HFLM`` takes (``max_length``, ``dtype``, ``device``, ``batch_size``...).
+        **kwargs: everything ``HFLM`` takes (``max_length``, ``dtype``, ``device``, ``batch_size``...), and,
+            through it, what transformers' ``from_pretrained`` takes (``attn_implementation``, a config field).
+
+    Raises:
+        ModelArgsError: (a ValueError) a bad option, a key nothing takes, or a model name that is nothing (no
+            such folder; an uncached Hub id while the Hub is off or unreachable; a near miss of a real
+            checkpoint's name), in one line, before any weight is read.
+        FetchError: a real checkpoint could not be fetched.
     """
 
     def __init__(
@@ -99,26 +148,18 @@ class HFAttnScaleLM(HFLM):
         gguf_file: str | None = None,
         **kwargs: Any,
     ) -> None:
-        # Validate everything before the model loads, which can take minutes.
-        config = AttnScaleConfig.from_text(
-            **{name: kwargs.pop(name) for name in OPTION_NAMES if name in kwargs}
-        )
-        settings = cache_settings(sink_tokens, window)
-        self.sink_tokens, self.window = settings if settings is not None else (None, None)
-        self.chunk_size = check_int("chunk_size", chunk_size, 1)
-        if isinstance(pretrained, str):
-            pretrained, gguf_file = split_gguf(pretrained, gguf_file)
-            pretrained = resolve_model_path(pretrained)
-            if gguf_file:
-                check_gguf_file(Path(pretrained) / gguf_file)  # before transformers reads it (local files only)
-            gguf = {"gguf_file": gguf_file} if gguf_file else {}
-            self.masked = model_kind(AutoConfig.from_pretrained(pretrained, **gguf)) == "masked"
-        else:
-            self.masked = type(pretrained).__name__.endswith("ForMaskedLM")
-        if self.masked and window is not None:
-            raise ValueError("window= streams a causal LM through a SinkCache; this model is a masked LM.")
+        # Validate everything before the model loads, which can take minutes: each error is one line.
+        try:
+            config, pretrained, gguf_file = self._check_model_args(
+                pretrained, sink_tokens, window, chunk_size, gguf_file, kwargs
+            )
+        except ModelArgsError:
+            raise
+        except (ValueError, FileNotFoundError) as err:
+            raise ModelArgsError(err) from err
+        forwarded = frozenset(kwargs) - set(_HFLM_KEYS)
         self.AUTO_MODEL_CLASS = _SavedPatchLoader(
-            AutoModelForMaskedLM if self.masked else AutoModelForCausalLM
+            AutoModelForMaskedLM if self.masked else AutoModelForCausalLM, forwarded
         )
 
         cpu_processes = _start_cpu_processes() if isinstance(pretrained, str) else None
@@ -136,6 +177,65 @@ class HFAttnScaleLM(HFLM):
             patch(model)  # the saved patch (with its learned parameters), or the identity one for streaming
         if window is not None:
             check_streaming_model(model)
+
+    def _check_model_args(
+        self,
+        pretrained: Any,
+        sink_tokens: Any,
+        window: Any,
+        chunk_size: Any,
+        gguf_file: str | None,
+        kwargs: dict[str, Any],
+    ) -> tuple[AttnScaleConfig | None, Any, str | None]:
+        """Read and check hf-attnscale's own model_args (popping the patch options from ``kwargs``) and the
+        model's name, and read its config (not its weights): ``(patch config, pretrained, gguf_file)``.
+
+        A scale without ``train_length`` takes the config's ``max_position_embeddings``, as on the command line
+        (`hf_attnscale.core.config.default_train_length`); the other options are checked before the model is
+        looked for, which may mean a download.
+        """
+        options = {name: _as_written(kwargs.pop(name)) for name in OPTION_NAMES if name in kwargs}
+        scale = options.get("scale")
+        length_from_config = scale not in (None, "none") and options.get("train_length") is None
+        # Every other option is checked now, with a stand-in length where the config is to give it.
+        config = AttnScaleConfig.from_text(**options, **({"train_length": 2} if length_from_config else {}))
+        settings = cache_settings(_as_written(sink_tokens), _as_written(window))
+        self.sink_tokens, self.window = settings if settings is not None else (None, None)
+        self.chunk_size = check_int("chunk_size", _as_written(chunk_size), 1)
+        if isinstance(pretrained, str):
+            pretrained, gguf_file = split_gguf(pretrained, gguf_file)
+            name = pretrained
+            try:
+                pretrained = checked_source(pretrained, gguf_file)
+            except FileNotFoundError as err:
+                if length_from_config:
+                    raise ModelArgsError(
+                        f"{err} (And scale={scale!r} needs train_length=N, or a model config that gives "
+                        "max_position_embeddings.)"
+                    ) from err
+                raise
+            if gguf_file:  # checked before transformers reads it (local files only)
+                check_gguf_file(Path(pretrained) / gguf_file)
+            gguf = {"gguf_file": gguf_file} if gguf_file else {}
+            try:
+                model_config = AutoConfig.from_pretrained(pretrained, **gguf)
+            except OSError as err:
+                raise cannot_load(name, err) from err
+            self.masked = model_kind(model_config) == "masked"
+        else:
+            model_config = getattr(pretrained, "config", None)
+            self.masked = type(pretrained).__name__.endswith("ForMaskedLM")
+        if self.masked and self.window is not None:
+            raise ValueError("window= streams a causal LM through a SinkCache; this model is a masked LM.")
+        if length_from_config:
+            length = default_train_length(None, model_config)
+            if length is None:
+                raise ValueError(
+                    f"scale={scale!r} needs train_length=N, the context the model was trained at (its config "
+                    "gives no max_position_embeddings)."
+                )
+            config = AttnScaleConfig.from_text(**options, train_length=length)
+        return config, pretrained, gguf_file
 
     @property
     def streaming(self) -> bool:
@@ -208,6 +308,36 @@ class HFAttnScaleLM(HFLM):
         return info
 
 
+_OWN_KEYS = tuple(
+    name for name in inspect.signature(HFAttnScaleLM.__init__).parameters if name not in ("self", "kwargs")
+)
+"""The model_args keys of the ``hf-attnscale`` model type itself (the patch options apart)."""
+_HFLM_KEYS = tuple(
+    name for name in inspect.signature(HFLM.__init__).parameters if name not in ("self", "kwargs")
+)
+"""The keys lm-eval's HFLM takes by name; the others it hands on to ``from_pretrained``."""
+
+
+def _unknown_key(key: str) -> str:
+    """The one line for a model_args key that nothing takes: the closest known key, and the known keys."""
+    hflm = [name for name in _HFLM_KEYS if name not in _OWN_KEYS]
+    close = difflib.get_close_matches(key, [*_OWN_KEYS, *OPTION_NAMES, *hflm], n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return (
+        f"Unknown model_args key {key!r}{hint}: hf-attnscale takes {', '.join(_OWN_KEYS)} and the patch options "
+        f"{', '.join(OPTION_NAMES)}; lm-eval's HFLM takes {', '.join(hflm)}; any other key goes to "
+        f"transformers' from_pretrained, which takes neither {key!r} as a loading option nor as a field of the "
+        "model's config."
+    )
+
+
+def _as_written(value: Any) -> Any:
+    """A number as written in ``--model_args``: lm-eval's command line reads a negative whole number such as
+    ``-4`` as the float -4.0 (only unsigned digit strings become ints), which every count here refuses
+    either way; read back as the int it was written as, the error says ``-4``."""
+    return int(value) if isinstance(value, float) and value < 0 and value.is_integer() else value
+
+
 def builtin_dataset(
     split: str = "heldout", min_tokens: int = 0, first_tokens: int | None = None, **_runtime_metadata: Any
 ):
@@ -254,7 +384,13 @@ def register() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run lm-eval's own CLI with ``argv`` (default: ``sys.argv[1:]``) after registering ``hf-attnscale``."""
+    """Run lm-eval's own CLI with ``argv`` (default: ``sys.argv[1:]``) after registering ``hf-attnscale``.
+
+    Returns the exit status: 0, or 2 after a bad ``--model_args`` value for ``hf-attnscale`` (a
+    `ModelArgsError`) or a real checkpoint that could not be fetched, each printed as one line on stderr
+    (``hf-attnscale lm-eval: error: ...``). Anything else that fails inside lm-eval keeps its traceback;
+    lm-eval's own usage errors exit through argparse (status 2).
+    """
     from lm_eval.__main__ import cli_evaluate  # lm-eval's whole CLI: imported only when it runs
 
     register()
@@ -268,9 +404,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             "folder to use both.",
             file=sys.stderr,
         )
-    saved, sys.argv = sys.argv, ["lm-eval", *argv]  # lm-eval's parser reads sys.argv itself
+    # lm-eval 0.4's CLI has no entry that takes arguments: cli_evaluate() parses sys.argv (HarnessCLI.parse_args
+    # takes none, and inserts "run" into sys.argv itself). So sys.argv is swapped for a list of our own, and
+    # the caller's is put back however the run ends (an error, argparse's SystemExit, --help).
+    saved, sys.argv = sys.argv, ["lm-eval", *argv]
     try:
         cli_evaluate()
+    except (ModelArgsError, FetchError) as err:
+        print(f"hf-attnscale lm-eval: error: {err}", file=sys.stderr)
+        return 2
     finally:
         sys.argv = saved
     return 0

@@ -1,0 +1,108 @@
+"""``hf-attnscale lm-eval`` with bad ``--model_args`` (issue 48): one line on stderr that says what is wrong and
+what is valid, exit status 2, instead of a traceback (or a minute of Hub retries)."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import huggingface_hub
+import pytest
+
+pytest.importorskip("lm_eval")
+
+from transformers import RecurrentGemmaConfig
+
+import hf_attnscale as hfa
+from hf_attnscale.cli import main
+from hf_attnscale.evaluation.models import default_model_path
+from hf_attnscale.integrations.lm_eval_harness import HFAttnScaleLM
+
+KNOWN = "smollm2-135m, gemma3-270m, minilm-l6"
+NO_LENGTH = "no-length"
+"""Stands for a model folder whose config gives no max_position_embeddings (recurrent_gemma's)."""
+
+
+@pytest.fixture(autouse=True)
+def _hub_offline(monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+@pytest.fixture(autouse=True)
+def _lm_eval_logging():
+    """lm-eval's CLI adds its log handler once per process, on the sys.stderr of the time (this test's capture,
+    closed after it): take it off again, so later tests' lm-eval logs do not write to a closed stream."""
+    logger = logging.getLogger("lm_eval")
+    handlers, propagate, level = list(logger.handlers), logger.propagate, logger.level
+    yield
+    for handler in [h for h in logger.handlers if h not in handlers]:
+        logger.removeHandler(handler)
+    logger.propagate, logger.level = propagate, level
+
+
+@pytest.mark.parametrize(
+    ("model_args", "message"),
+    [
+        pytest.param(
+            f"pretrained={NO_LENGTH},scale=logn",
+            r"scale='logn' needs train_length=N, the context the model was trained at "
+            r"\(its config gives no max_position_embeddings\)\.",
+            id="scale-without-length",
+        ),
+        pytest.param("window=-4", r"window must be an int >= 1, got -4\.", id="negative-window"),
+        pytest.param(
+            "windw=124",
+            r"Unknown model_args key 'windw' \(did you mean 'window'\?\): hf-attnscale takes pretrained, "
+            r"sink_tokens, window, chunk_size, gguf_file and the patch options scale, train_length, .*; "
+            r"lm-eval's HFLM takes backend, revision, .*max_length, .*",
+            id="misspelled-key",
+        ),
+        pytest.param(
+            "pretrained=smollm2-135n",
+            rf"Unknown real checkpoint 'smollm2-135n' \(did you mean 'smollm2-135m'\?\); known: {KNOWN}\.",
+            id="near-miss-name",
+        ),
+        pytest.param(
+            "pretrained=no-such-model",
+            r"Model 'no-such-model' is not a local directory and is not in the Hugging Face cache, and the Hub "
+            rf"cannot be used: HF_HUB_OFFLINE is set\. Pass .* a real checkpoint's name \({KNOWN}\).*",
+            id="unknown-name-offline",
+        ),
+        pytest.param(
+            "pretrained=/no/such/model",
+            r"Model directory '/no/such/model' does not exist; pass a saved model directory, a Hub id or a "
+            r"GGUF file\.",
+            id="missing-folder",
+        ),
+    ],
+)
+def test_bad_model_args_are_one_line(model_args, message, tmp_path, capsys):
+    folder = tmp_path / NO_LENGTH
+    RecurrentGemmaConfig(num_hidden_layers=1, hidden_size=16, vocab_size=64).save_pretrained(folder)
+    model_args = model_args.replace(NO_LENGTH, str(folder))
+    if "pretrained=" not in model_args:
+        model_args = f"pretrained={default_model_path()},dtype=float32,{model_args}"
+    argv = ["lm-eval", "--model", "hf-attnscale", "--model_args", model_args]
+    argv += ["--tasks", "hfa_stdlib_heldout_1k", "--device", "cpu", "--output_path", str(tmp_path / "out")]
+    try:
+        code = main(argv)
+    except SystemExit as stop:
+        code = stop.code
+    _, err = capsys.readouterr()
+    last = err.rstrip("\n").splitlines()[-1]
+    assert code == 2, err[-3000:]
+    assert re.fullmatch(rf"hf-attnscale lm-eval: error: {message}", last), last
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_a_scale_without_train_length_takes_max_position_embeddings():
+    """The command line's rule (`hf_attnscale.core.config.default_train_length`): no train_length, the config's."""
+    lm = HFAttnScaleLM(pretrained=str(default_model_path()), scale="logn", dtype="float32", device="cpu")
+    patched = hfa.get_config(lm.model)
+    assert (
+        (patched.scale, patched.train_length)
+        == ("logn", lm.model.config.max_position_embeddings)
+        == ("logn", 128)
+    )
+    given = HFAttnScaleLM(pretrained=str(default_model_path()), scale="logn", train_length=64, device="cpu")
+    assert hfa.get_config(given.model).train_length == 64
