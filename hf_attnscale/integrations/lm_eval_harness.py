@@ -124,7 +124,7 @@ class HFAttnScaleLM(HFLM):
             patched as saved, and any other model runs as loaded. A scale without ``train_length`` takes the
             saved config's ``max_position_embeddings``, as ``--scale`` without ``--train-length`` does on the
             command line (`hf_attnscale.core.config.default_train_length`).
-        sink_tokens: sink tokens of the streaming cache (default 4 when ``window`` is given; 0: window-only).
+        sink_tokens: sink tokens of the streaming cache (default with ``window``: SinkCache's; 0: window-only).
         window: recent tokens each query sees while streaming; None (default) keeps lm-eval's windows.
         chunk_size: tokens per model call while streaming (memory only; results do not depend on it).
         gguf_file: a GGUF file in the ``pretrained`` folder or Hub repo (or a path to one), loaded de-quantised
