@@ -28,6 +28,7 @@ from transformers.utils import cached_file
 
 from hf_attnscale.core.checkpoint import check_gguf_file, real_checkpoint_name
 from hf_attnscale.core.loading import from_pretrained
+from hf_attnscale.core.models import head_kind
 from hf_attnscale.evaluation.real_checkpoints import REAL_CHECKPOINTS, fetch
 
 DEFAULT_MODEL_NAME = "tiny-llama-stdlib"
@@ -85,18 +86,13 @@ def load_default_model(
     return model.eval(), tokenizer
 
 
-CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")
-MASKED_HEADS = ("ForMaskedLM",)
-"""How the saved architectures of models with a causal or a masked language-model head end."""
-
-
 def has_lm_head(config: Any) -> bool:
     """Whether the saved model has its language-model head: False for a bare encoder saved as its base class
     (a sentence encoder such as all-MiniLM-L6-v2 is saved as ``BertModel``), whose head transformers would
     initialise at random. True when the config names no architecture."""
     architectures = getattr(config, "architectures", None) or []
-    heads = (*CAUSAL_HEADS, *MASKED_HEADS, "ForPreTraining", "ForConditionalGeneration")
-    return not architectures or any(a.endswith(heads) for a in architectures)
+    heads = {"causal", "masked", "pretraining", "conditional-generation"}
+    return not architectures or any(head_kind(a) in heads for a in architectures)
 
 
 def model_kind(config: Any) -> str:
@@ -106,10 +102,9 @@ def model_kind(config: Any) -> str:
     head for its type (BERT-like types have both: ``is_decoder`` decides). Raises ValueError for anything else.
     """
     architectures = getattr(config, "architectures", None) or []
-    if any(a.endswith(CAUSAL_HEADS) for a in architectures):
-        return "causal"
-    if any(a.endswith(MASKED_HEADS) for a in architectures):
-        return "masked"
+    for kind in ("causal", "masked"):
+        if any(head_kind(a) == kind for a in architectures):
+            return kind
     causal = type(config) in MODEL_FOR_CAUSAL_LM_MAPPING
     masked = type(config) in MODEL_FOR_MASKED_LM_MAPPING
     if causal and (not masked or getattr(config, "is_decoder", False)):

@@ -43,6 +43,7 @@ from hf_attnscale.core.config import (
     read_saved_config,
 )
 from hf_attnscale.core.loading import from_pretrained
+from hf_attnscale.core.models import head_kind
 from hf_attnscale.core.patching import patch
 from hf_attnscale.core.state import get_config
 from hf_attnscale.evaluation.corpus import builtin_documents
@@ -224,7 +225,7 @@ class HFAttnScaleLM(HFLM):
             self.masked = model_kind(model_config) == "masked"
         else:
             model_config = getattr(pretrained, "config", None)
-            self.masked = type(pretrained).__name__.endswith("ForMaskedLM")
+            self.masked = head_kind(type(pretrained).__name__) == "masked"
         if self.masked and self.window is not None:
             raise ValueError("window= streams a causal LM through a SinkCache; this model is a masked LM.")
         if length_from_config:

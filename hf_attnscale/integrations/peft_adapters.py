@@ -44,7 +44,7 @@ from torch import nn
 
 from hf_attnscale.core.config import AttnScaleConfig
 from hf_attnscale.core.families import attention_modules
-from hf_attnscale.core.models import unwrap
+from hf_attnscale.core.models import head_kind, unwrap
 from hf_attnscale.core.offload import is_offloaded
 from hf_attnscale.core.patching import patch
 from hf_attnscale.core.state import STATE_NAME, active_state, get_config
@@ -55,13 +55,13 @@ if TYPE_CHECKING:
 ADAPTER_PATCH_FILE = "attn_scale.json"
 """Written next to ``adapter_config.json``: the patch the adapter was trained under."""
 
-# Head class suffix -> PEFT task type, so the PEFT wrapper matches the model (labels, generate, ...).
+# A model's head (`head_kind`) -> PEFT task type, so the PEFT wrapper matches the model (labels, generate, ...).
 _TASK_TYPES = {
-    "ForCausalLM": "CAUSAL_LM",
-    "ForSequenceClassification": "SEQ_CLS",
-    "ForTokenClassification": "TOKEN_CLS",
-    "ForQuestionAnswering": "QUESTION_ANS",
-    "Model": "FEATURE_EXTRACTION",
+    "causal": "CAUSAL_LM",
+    "sequence-classification": "SEQ_CLS",
+    "token-classification": "TOKEN_CLS",
+    "question-answering": "QUESTION_ANS",
+    "base": "FEATURE_EXTRACTION",
 }
 
 
@@ -156,8 +156,7 @@ def _check_not_offloaded(model: nn.Module) -> None:
 
 
 def _task_type(model: nn.Module) -> str | None:
-    name = type(model).__name__
-    return next((task for suffix, task in _TASK_TYPES.items() if name.endswith(suffix)), None)
+    return _TASK_TYPES.get(head_kind(type(model).__name__))
 
 
 @functools.cache
