@@ -241,7 +241,7 @@ def test_every_patch_option_reaches_the_api_the_cli_and_lm_eval():
     import argparse
 
     from hf_attnscale.core.config import OPTIONS
-    from hf_attnscale.patch_flags import add_patch_arguments, patch_options
+    from hf_attnscale.core.flags import add_patch_arguments, patch_options
 
     examples = {  # option: (flags, model_arg text, the value every reader must arrive at)
         "scale": (["--scale", "llama4", "--train-length", "8"], "llama4", "llama4"),

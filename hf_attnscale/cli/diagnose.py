@@ -7,7 +7,7 @@ import json
 import shlex
 import time
 
-from hf_attnscale.patch_flags import add_patch_arguments
+from hf_attnscale.core.flags import add_patch_arguments
 
 from .options import (
     PATCH_TITLE,

@@ -8,7 +8,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from hf_attnscale.core.config import OPTION_NAMES
-from hf_attnscale.patch_flags import add_patch_arguments
+from hf_attnscale.core.flags import add_patch_arguments
 
 from .options import (
     PATCH_TITLE,

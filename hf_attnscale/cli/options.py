@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hf_attnscale.core.config import default_train_length
-from hf_attnscale.patch_flags import patch_options
+from hf_attnscale.core.flags import patch_options
 
 if TYPE_CHECKING:
     import torch

@@ -29,7 +29,7 @@ from hf_attnscale.core.models import backbone, unwrap
 from hf_attnscale.core.offload import run_device
 from hf_attnscale.core.patching import patched
 from hf_attnscale.core.state import get_config, patched_modules
-from hf_attnscale.validation import check_int
+from hf_attnscale.core.validation import check_int
 
 QUERY_CHUNK = 256
 """Query rows scored at a time: memory is O(chunk x keys) per head."""

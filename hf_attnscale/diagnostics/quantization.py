@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_attnscale.core.offload import forward_slot, set_forward
-from hf_attnscale.validation import check_int
+from hf_attnscale.core.validation import check_int
 
 LEVELS = 127
 """Symmetric int8: integers in [-127, 127]."""

@@ -35,9 +35,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from hf_attnscale.core.validation import as_int, check_int
 from hf_attnscale.streaming.cache import DEFAULT_SINK_TOKENS
 from hf_attnscale.streaming.pos_shift import check_streaming_model
-from hf_attnscale.validation import as_int, check_int
 
 from .perplexity import segment_nll
 from .report import SweepResult, SweepRow, versions

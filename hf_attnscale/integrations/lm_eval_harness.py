@@ -46,6 +46,7 @@ from hf_attnscale.core.loading import from_pretrained
 from hf_attnscale.core.models import head_kind
 from hf_attnscale.core.patching import patch
 from hf_attnscale.core.state import get_config
+from hf_attnscale.core.validation import check_int
 from hf_attnscale.evaluation.corpus import builtin_documents
 from hf_attnscale.evaluation.mlm import pseudo_log_likelihood
 from hf_attnscale.evaluation.models import (
@@ -59,7 +60,6 @@ from hf_attnscale.evaluation.perplexity import perplexity
 from hf_attnscale.evaluation.real_checkpoints import FetchError
 from hf_attnscale.streaming.cache import SinkCache, cache_settings
 from hf_attnscale.streaming.pos_shift import check_streaming_model
-from hf_attnscale.validation import check_int
 
 MODEL_TYPE = "hf-attnscale"
 TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"

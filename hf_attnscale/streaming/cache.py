@@ -21,7 +21,7 @@ from hf_attnscale.core.gate import gate_input
 from hf_attnscale.core.hooks import CallHooks
 from hf_attnscale.core.routing import cache_argument, forward_with_hooks, rotary_of
 from hf_attnscale.core.state import state_of
-from hf_attnscale.validation import check_int
+from hf_attnscale.core.validation import check_int
 
 from .plan import (
     AttentionMode,

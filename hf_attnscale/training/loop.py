@@ -18,10 +18,10 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
+from hf_attnscale.core.flags import add_patch_arguments, patch_options
 from hf_attnscale.core.patching import patch
 from hf_attnscale.core.state import get_config
 from hf_attnscale.evaluation.report import versions
-from hf_attnscale.patch_flags import add_patch_arguments, patch_options
 
 CHECKPOINT = "checkpoint.pt"
 SNAPSHOTS = "snapshots"
