@@ -1,7 +1,8 @@
 """Shared fixtures and tiny-model factories, built from configs (nothing is downloaded).
 
-* `tiny_model`: a tiny model of one of the main families (`DECODERS`, `ENCODERS`), default initialisation;
-* `sharp_model`: a tiny RoPE decoder with weights large enough that attention is sharp and positions matter
+* `tiny_config`, `tiny_model`: a tiny config / model of one of the main families (`DECODERS`, `ENCODERS`), shared
+  small sizes, default initialisation;
+* `sharp_model`: a tiny `DECODERS` model with weights large enough that attention is sharp and positions matter
   (the streaming and perplexity tests);
 * `tiny_lm_with_tokenizer`, `tiny_mlm_with_tokenizer`: a Llama or a BERT masked LM with a BPE tokenizer
   trained on stdlib text (the evaluation, CLI and lm-eval tests);
@@ -9,7 +10,8 @@
   eager reference (same weights), and a padded batch for it;
 * `stream_logits`: a model's logits fed through a cache in chunks;
 * `device`: the device of the gpu suite (``--device``, default cuda);
-* every supported model type: `model_zoo`; the eager reference attention: `reference`.
+* every supported model type (`zoo_model`): `model_zoo`; building and sharpening, shared by both: `tiny`; the eager
+  reference attention: `reference`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import pytest
 import torch
 from reference import make_reference, set_gate
+from tiny import VOCAB, build, sharpen
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -42,8 +45,6 @@ os.environ.setdefault("HF_ATTNSCALE_FUSED_EXIT", "0")
 
 # Tiny models gain nothing from a second thread, and oversubscribed cores make them many times slower.
 torch.set_num_threads(1)
-
-VOCAB = 128
 
 DECODERS: dict[str, dict] = {
     "llama": {},
@@ -74,6 +75,8 @@ ENCODERS: dict[str, dict] = {
 
 
 def tiny_config(model_type: str, **overrides):
+    """The config of a tiny ``model_type`` (one of `DECODERS`, `ENCODERS`): the shared sizes, the type's own
+    fields, then ``overrides``; no dropout."""
     extra = DECODERS.get(model_type, ENCODERS.get(model_type))
     kwargs = {**_COMMON, **extra, **overrides}
     if model_type in DECODERS:
@@ -98,12 +101,9 @@ _BUILT: dict[tuple, torch.nn.Module] = {}
 
 
 def _build(model_type: str, attn: str, seed: int, dtype, **overrides):
-    torch.manual_seed(seed)
-    config = tiny_config(model_type, **overrides)
-    cls = AutoModelForCausalLM if model_type in DECODERS else AutoModel
+    head = AutoModelForCausalLM if model_type in DECODERS else AutoModel
     impl = "eager" if model_type == "roformer" else attn
-    model = cls.from_config(config, attn_implementation=impl, dtype=dtype)
-    return model.eval()
+    return build(head, tiny_config(model_type, **overrides), impl, seed, dtype=dtype)
 
 
 def model_output(model, **inputs) -> torch.Tensor:
@@ -182,6 +182,14 @@ def perturb_gate(gate: torch.nn.Linear, generator: torch.Generator) -> None:
 
 
 SHARP_VOCAB = 97
+SHARP: dict = {
+    "vocab_size": SHARP_VOCAB,
+    "rope_theta": 100.0,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": None,
+}
+"""What `sharp_model` sets on top of `tiny_config`."""
 SHARP_OVERRIDES: dict[str, dict] = {
     "mistral": {
         "sliding_window": 64
@@ -191,39 +199,10 @@ SHARP_OVERRIDES: dict[str, dict] = {
 
 
 def sharp_model(model_type: str = "llama", attn: str = "sdpa", seed: int = 0, **overrides):
-    """A 2-layer `DECODERS` model with weights large enough that attention is sharp and positions matter."""
-    torch.manual_seed(seed)
-    kwargs = {
-        "vocab_size": SHARP_VOCAB,
-        "hidden_size": 32,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 64,
-        "max_position_embeddings": 512,
-        "rope_theta": 100.0,
-        "attention_dropout": 0.0,
-        "pad_token_id": 0,
-        "bos_token_id": 1,
-        "eos_token_id": None,
-        **DECODERS[model_type],
-        **SHARP_OVERRIDES.get(model_type, {}),
-        **overrides,
-    }
-    config = AutoConfig.for_model(model_type, **kwargs)
-    return sharpen(AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval())
-
-
-def sharpen(model, generator: torch.Generator | None = None):
-    """Give ``model``'s weight matrices wide random values (queries wider still), so that attention is sharp and
-    a patch moves the logits by whole units: a missing or wrong one cannot pass by accident. The patch's own
-    parameters are left alone. With the same ``generator`` seed, models of one shape get the same weights."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and ".hfa." not in name:
-                gain = 2.5 if "q_proj" in name or "qkv" in name else 1.0
-                p.normal_(0.0, gain / math.sqrt(p.shape[1]), generator=generator)
-    return model
+    """A 2-layer `DECODERS` model with weights large enough that attention is sharp and positions matter: every
+    matrix, embeddings too, re-drawn by `sharpen` from torch's generator as the construction left it."""
+    config = tiny_config(model_type, **{**SHARP, **SHARP_OVERRIDES.get(model_type, {}), **overrides})
+    return sharpen(build(AutoModelForCausalLM, config, attn, seed), None, embeddings=True)
 
 
 GREEDY = {"do_sample": False, "pad_token_id": 0, "return_dict_in_generate": True, "output_logits": True}

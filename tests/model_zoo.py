@@ -1,26 +1,24 @@
 """Tiny models of every text model type that `hfa.supported_model_types()` reports, built from config.
 
-`tiny_model(model_type, attn)` takes the type's default config, shrinks every size it has (`SMALL`, then the
-few per-type fixes in `OVERRIDES`), builds the causal-LM head (or the masked-LM head for encoders), and gives it
-sharp random weights, so that attention is peaked and a wrong scale, mask or position shows in the logits.
-`SKIPPED` names the types that cannot be exercised this way, each with its reason.
+`zoo_model(model_type, attn)` takes the type's default config, shrinks every size it has (`SMALL`, then the
+few per-type fixes in `OVERRIDES`: `zoo_config`), builds the causal-LM head (or the masked-LM head for encoders),
+and gives it sharp random weights (`tiny.sharpen`), so that attention is peaked and a wrong scale, mask or
+position shows in the logits. `SKIPPED` names the types that cannot be exercised this way, each with its reason.
+(`conftest.tiny_model` is the other factory: the main families only, at smaller shared sizes, default weights.)
 """
 
 from __future__ import annotations
 
 import copy
-import math
 import warnings
 
 import torch
-import transformers
 from reference import make_reference
+from tiny import VOCAB, build, sharpen
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 from transformers.models.auto import modeling_auto
 
 from hf_attnscale.core.families import attention_modules
-
-VOCAB = 128
 
 SMALL = {
     "vocab_size": VOCAB,
@@ -175,13 +173,17 @@ def head_of(model_type: str) -> str:
     return "masked" if model_type in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES else "causal"
 
 
+def auto_class(model_type: str) -> type:
+    """The auto class of the head `zoo_model` builds: masked LM for encoders, else causal LM."""
+    return AutoModelForMaskedLM if head_of(model_type) == "masked" else AutoModelForCausalLM
+
+
 def model_class(model_type: str) -> type:
-    """The head class `tiny_model` builds for ``model_type``."""
-    auto = AutoModelForMaskedLM if head_of(model_type) == "masked" else AutoModelForCausalLM
-    return auto._model_mapping[AutoConfig.for_model(model_type).__class__]
+    """The head class `zoo_model` builds for ``model_type``."""
+    return auto_class(model_type)._model_mapping[AutoConfig.for_model(model_type).__class__]
 
 
-def tiny_config(model_type: str, attn: str = "sdpa", **overrides):
+def zoo_config(model_type: str, attn: str = "sdpa", **overrides):
     """``model_type``'s default config with `SMALL`, `OVERRIDES` and then ``overrides`` applied (only fields it
     has, but for ``overrides``)."""
     defaults = AutoConfig.for_model(model_type).to_dict()
@@ -198,21 +200,6 @@ def tiny_config(model_type: str, attn: str = "sdpa", **overrides):
     return config
 
 
-def sharpen(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Re-draw the matrices with std 1/sqrt(fan_in) (queries 2.5x that): peaked attention, large logits."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and "embed" not in name and p.shape[1] > 1:
-                wide = 2.5 if "q" in name.rsplit(".", 2)[-2] else 1.0
-                p.copy_(torch.randn(p.shape, generator=generator) * wide / math.sqrt(p.shape[1]))
-            elif name.endswith(
-                "qk_norm.temp"
-            ):  # ZAYA's key temperature starts at 0: attention would be uniform
-                p.fill_(2.0)
-    return model
-
-
 def reference_of(plain: torch.nn.Module, attn: str, **options) -> torch.nn.Module:
     """A copy of ``plain`` whose patched attention modules compute tests/reference.py's attention with
     ``options`` (soft-capping as the backend ``attn`` applies it: eager caps, sdpa does not)."""
@@ -226,19 +213,14 @@ def supports_sdpa(model_type: str) -> bool:
     return bool(getattr(model_class(model_type), "_supports_sdpa", False))
 
 
-def tiny_model(model_type: str, attn: str = "sdpa", seed: int = 0, **overrides) -> torch.nn.Module:
-    """A tiny, sharp, eval-mode model of ``model_type`` with attention backend ``attn`` (and config ``overrides``)."""
-    config = tiny_config(model_type, attn, **overrides)
-    torch.manual_seed(seed)
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    try:
-        model = model_class(model_type)._from_config(config, attn_implementation=attn)
-    finally:
-        transformers.logging.set_verbosity(verbosity)
+def zoo_model(model_type: str, attn: str = "sdpa", seed: int = 0, **overrides) -> torch.nn.Module:
+    """A tiny, sharp, eval-mode model of ``model_type`` with attention backend ``attn`` (and config ``overrides``):
+    `zoo_config`, built by `tiny.build` and sharpened by `tiny.sharpen`, both from ``seed``."""
+    config = zoo_config(model_type, attn, **overrides)
+    model = build(auto_class(model_type), config, attn, seed)
     if model_type == "xmod":  # X-MOD routes through per-language adapters: pick one
         model.set_default_language(config.languages[0])
-    return sharpen(model, seed).eval()
+    return sharpen(model, seed)
 
 
 def _eager_only() -> frozenset[str]:

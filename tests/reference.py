@@ -2,8 +2,9 @@
 
 It materialises the scores, multiplies them by the law of n (n = visible keys counted from a dense mask),
 appends the exit column, and takes a softmax. `rerotated_stream_logits` is StreamingLLM by definition: the
-kept keys re-rotated into a plain DynamicCache at every step, the model's own masks. It shares no code with
-hf_attnscale.
+kept keys re-rotated into a plain DynamicCache at every step, the model's own masks. It shares no attention code
+with hf_attnscale; it takes one fact from it, `families.query_heads` (which field holds a module's number of query
+heads), to size its per-head parameters (see `make_reference`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import torch
 from transformers import DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.modeling_utils import AttentionInterface
+
+from hf_attnscale.core.families import query_heads
 
 REF_NAME = "hfa_test_reference"
 
@@ -215,22 +218,18 @@ AttentionInterface.register(REF_NAME, reference_forward)
 AttentionMaskInterface.register(REF_NAME, eager_mask)
 
 
-def _query_heads(module, config) -> int:
-    for source in (module, getattr(module, "config", None), config):
-        for name in ("num_heads", "num_attention_heads", "n_heads", "n_head"):
-            value = getattr(source, name, None)
-            if isinstance(value, int) and value > 0:
-                return value
-    raise ValueError(f"no head count on {type(module).__name__}")
-
-
 def make_reference(model, attention_classes, **patch_kwargs):
-    """Turn ``model`` (unpatched) into the reference: every attention module computes `reference_forward`."""
+    """Turn ``model`` (unpatched) into the reference: every attention module computes `reference_forward`.
+
+    Its per-head parameters are sized by the package's `query_heads`, which reads a family's config fields: a
+    lookup, not attention, and not what the reference checks. `reference_attention` takes the heads from the
+    queries themselves (``q.shape[1]``); a per-head parameter of another size (but one, which broadcasts) fails
+    there. A copy of the lookup here would only have to follow the package's list of field names by hand."""
     model.config._attn_implementation = REF_NAME
     refs = []
     for module in model.modules():
         if type(module).__name__ in attention_classes:
-            module.hfa_ref = ReferencePatch(heads=_query_heads(module, model.config), **patch_kwargs)
+            module.hfa_ref = ReferencePatch(heads=query_heads(module, model.config), **patch_kwargs)
             if module.hfa_ref.gate is not None:
                 module.register_forward_pre_hook(_remember_input, with_kwargs=True)
             refs.append(module.hfa_ref)

@@ -24,12 +24,12 @@ from conftest import (
     patched_and_reference,
     sample_inputs,
     sharp_model,
-    sharpen,
     stream_logits,
     tiny_model,
 )
-from model_zoo import reference_of, tiny_model as zoo_model
+from model_zoo import reference_of, zoo_model
 from reference import reference_attention
+from tiny import sharpen
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.utils import is_flash_attn_2_available
 
@@ -67,7 +67,7 @@ def skip_unless_runs(attn: str, device: torch.device, dtype: torch.dtype, option
 def sharpen_alike(*models: torch.nn.Module) -> None:
     """`sharpen` every model with the same seed: the same wide weights in each."""
     for model in models:
-        sharpen(model, torch.Generator().manual_seed(0))
+        sharpen(model, 0, embeddings=True)
 
 
 def on(device: torch.device, inputs: dict) -> dict:

@@ -223,12 +223,12 @@ def test_scaled_long_context_matches_reference_at_4k():
 def test_roformer_decoder_reads_through_its_cache():
     """A patched RoFormer decoder, fed one token at a time through a cache, gives one forward's logits: the
     patched forward takes the cache under either name transformers has passed it by."""
-    from model_zoo import sharpen, tiny_config
+    from model_zoo import zoo_config
+    from tiny import build, sharpen
     from transformers import DynamicCache, RoFormerForCausalLM
 
-    config = tiny_config("roformer", "eager", is_decoder=True)
-    torch.manual_seed(0)
-    model = sharpen(RoFormerForCausalLM._from_config(config, attn_implementation="eager")).eval()
+    config = zoo_config("roformer", "eager", is_decoder=True)
+    model = sharpen(build(RoFormerForCausalLM, config, "eager"))
     hfa.patch(model, **FEATURES["logn+zero_kv"])
     ids = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
     cache = DynamicCache(config=config)

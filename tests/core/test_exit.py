@@ -14,7 +14,7 @@ import copy
 
 import pytest
 import torch
-from model_zoo import reference_of, tiny_model as zoo_model
+from model_zoo import reference_of, zoo_model
 from reference import reference_attention
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS

@@ -16,7 +16,7 @@ import functools
 import pytest
 import torch
 from conftest import perturb_gate
-from model_zoo import EAGER_ONLY, LOGIT_TOLERANCE, family_types, head_of, reference_of, tiny_model
+from model_zoo import EAGER_ONLY, LOGIT_TOLERANCE, family_types, head_of, reference_of, zoo_model
 from reference import set_gate
 
 import hf_attnscale as hfa
@@ -57,7 +57,7 @@ def inputs_for(model_type: str) -> dict:
 
 @functools.cache
 def _built(model_type: str, attn: str):
-    model = tiny_model(model_type, attn)
+    model = zoo_model(model_type, attn)
     with torch.no_grad():
         return model, model(**inputs_for(model_type)).logits
 

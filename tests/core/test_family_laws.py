@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from model_zoo import tiny_model
+from model_zoo import zoo_model
 
 import hf_attnscale as hfa
 
@@ -23,13 +23,13 @@ BETA, LENGTH = 0.7, 3  # at 16 tokens the multiplier takes five values, up to 1 
 def with_own_scaling(model_type: str, attn: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The family's model with its own scaling on, and a copy of the same weights with it off."""
     if model_type == "ministral3":
-        on = tiny_model(model_type, attn)
+        on = zoo_model(model_type, attn)
         on.config.rope_parameters.update(llama_4_scaling_beta=BETA, original_max_position_embeddings=LENGTH)
         off = copy.deepcopy(on)
         off.config.rope_parameters["llama_4_scaling_beta"] = 0.0
         return on, off
     layers = 2
-    on = tiny_model(
+    on = zoo_model(
         model_type,
         attn,
         num_hidden_layers=layers,

@@ -8,8 +8,9 @@ from __future__ import annotations
 import copy
 
 import pytest
+import tiny
 import torch
-from model_zoo import reference_of, sharpen
+from model_zoo import reference_of
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 
 import hf_attnscale as hfa
@@ -157,8 +158,7 @@ def build(name: str, attn: str = "sdpa") -> torch.nn.Module:
     model_type = fields.pop("model_type")
     config = AutoConfig.for_model(model_type, **fields)
     head = AutoModelForMaskedLM if model_type in ("bert", "roberta", "modernbert") else AutoModelForCausalLM
-    torch.manual_seed(0)
-    return sharpen(head.from_config(config, attn_implementation=attn)).eval()
+    return tiny.sharpen(tiny.build(head, config, attn))
 
 
 def backend(name: str) -> str:

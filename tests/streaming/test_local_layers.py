@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import BEAM_SEARCH, GREEDY, SHARP_VOCAB, sharpen, stream_logits
+from conftest import BEAM_SEARCH, GREEDY, SHARP_VOCAB, stream_logits
 from reference import rerotated_stream_logits
+from tiny import build, sharpen
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_attnscale as hfa
@@ -60,10 +61,9 @@ OPTIONS = {"plain": {}, "logn+zero_kv": {"scale": "logn", "train_length": 4, "ze
 
 def local_model(family: str, own_window: int, **options) -> torch.nn.Module:
     """A sharp tiny model of ``family`` whose local layers have a sliding window of ``own_window``, patched."""
-    torch.manual_seed(0)
     config = AutoConfig.for_model(family, **_COMMON, **FAMILIES[family], sliding_window=own_window)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTN.get(family, "sdpa"))
-    return hfa.patch(sharpen(model.eval()), **options)
+    model = build(AutoModelForCausalLM, config, ATTN.get(family, "sdpa"))
+    return hfa.patch(sharpen(model, None, embeddings=True), **options)
 
 
 def rotates(attention) -> bool:

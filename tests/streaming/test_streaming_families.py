@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_zoo import EAGER_ONLY, family_types, head_of, tiny_model
+from model_zoo import EAGER_ONLY, family_types, head_of, zoo_model
 from transformers import AutoConfig
 
 import hf_attnscale as hfa
@@ -24,7 +24,7 @@ _IDS = torch.randint(3, 120, (1, 40), generator=torch.Generator().manual_seed(2)
 def _streaming_decoder(model_type: str, **overrides):
     """The tiny ``model_type`` (config ``overrides``), patched; the test skips, saying why, unless it is a RoPE
     decoder that a SinkCache streams (a refusal must name SinkCache)."""
-    model = tiny_model(model_type, "eager" if model_type in EAGER_ONLY else "sdpa", **overrides)
+    model = zoo_model(model_type, "eager" if model_type in EAGER_ONLY else "sdpa", **overrides)
     if not all(takes_position_embeddings(m) for m in attention_modules(model)):
         pytest.skip("not a RoPE decoder: its attention takes no position_embeddings")
     model = hfa.patch(model)
