@@ -36,8 +36,8 @@ import transformers
 from transformers import DynamicCache
 
 import hf_attnscale as hfa
+from hf_attnscale.checkpoints.models import default_model_path, load_default_model
 from hf_attnscale.evaluation.corpus import long_documents
-from hf_attnscale.evaluation.models import default_model_path, load_default_model
 
 ANCHOR_LOOP = Path(__file__).with_name("anchor_streaming_llm.py")
 STOCK = "transformers v5 floor (unpatched, plain cache)"

@@ -36,7 +36,7 @@ VARIANTS: dict[str, dict | None] = {
 def base_model(name: str, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, int]:
     """(model, trained length): the shipped checkpoint, or one of bench_overhead.py's Llama shapes."""
     if name == "shipped":
-        from hf_attnscale.evaluation.models import load_default_model
+        from hf_attnscale.checkpoints.models import load_default_model
 
         model, _ = load_default_model()
         return model.to(device, dtype), model.config.max_position_embeddings

@@ -318,8 +318,8 @@ def latency(args) -> str:
 # ---------------------------------------------------------------------------------------------------------
 def quality(args) -> str:
     """The four methods on real text: the shipped tiny Llama (at its trained length), held-out documents."""
+    from hf_attnscale.checkpoints.models import load_default_model
     from hf_attnscale.evaluation.corpus import long_documents
-    from hf_attnscale.evaluation.models import load_default_model
 
     model, tokenizer = load_default_model()
     hfa.patch(model.to(args.device))

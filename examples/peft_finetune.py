@@ -28,8 +28,8 @@ from accelerate import Accelerator
 from peft import get_peft_model
 
 import hf_attnscale as hfa
+from hf_attnscale.checkpoints.models import load_default_model
 from hf_attnscale.evaluation.corpus import builtin_documents, long_documents
-from hf_attnscale.evaluation.models import load_default_model
 from hf_attnscale.evaluation.perplexity import windowed_perplexity
 
 MULTIPLES = (1, 2, 4, 8)

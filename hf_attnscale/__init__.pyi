@@ -1,6 +1,7 @@
 # The public API, declared once: type checkers read it, and __init__.py (lazy_loader) imports each name on first
 # use. "X as X" marks a re-export.
 from . import (
+    checkpoints as checkpoints,
     cli as cli,
     core as core,
     diagnostics as diagnostics,
@@ -9,13 +10,12 @@ from . import (
     streaming as streaming,
     training as training,
 )
+from .checkpoints.loading import fetch as fetch, from_pretrained as from_pretrained
 from .core.config import AttnScaleConfig as AttnScaleConfig
 from .core.families import supported_model_types as supported_model_types
-from .core.loading import from_pretrained as from_pretrained
 from .core.patching import patch as patch, patched as patched, unpatch as unpatch
 from .core.state import get_config as get_config
 from .evaluation.perplexity import PerplexityResult as PerplexityResult, perplexity as perplexity
-from .evaluation.real_checkpoints import fetch as fetch
 from .evaluation.report import SweepResult as SweepResult
 from .evaluation.sweep import sweep as sweep
 from .evaluation.variants import Variant as Variant

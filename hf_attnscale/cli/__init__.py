@@ -55,7 +55,7 @@ def user_errors() -> tuple[type[Exception], ...]:
     """The errors reported in one line, without a traceback (evaluated when one is raised: a failed fetch is
     among them only once its module is imported, so that the CLI need not import torch to catch it)."""
     errors: tuple[type[Exception], ...] = (CommandError, ValueError, FileNotFoundError)
-    fetching = sys.modules.get("hf_attnscale.evaluation.real_checkpoints")
+    fetching = sys.modules.get("hf_attnscale.checkpoints.real")
     return errors if fetching is None else (*errors, fetching.FetchError)
 
 

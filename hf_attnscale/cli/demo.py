@@ -45,7 +45,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns the exit status."""
-    from hf_attnscale.evaluation import models
+    from hf_attnscale.checkpoints import models
     from hf_attnscale.evaluation.sweep import demo_variants
 
     started = time.perf_counter()

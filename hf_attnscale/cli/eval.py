@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if measure == "mlm" and kind == "causal":
         raise CommandError(f"{model_name(args)} is a causal LM; --measure mlm is for masked LMs (encoders).")
-    from hf_attnscale.evaluation.models import has_lm_head
+    from hf_attnscale.checkpoints.models import has_lm_head
 
     if not has_lm_head(model.config):
         raise CommandError(

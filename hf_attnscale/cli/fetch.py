@@ -29,18 +29,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Fetch the checkpoint named (its folder on stdout), or list them; returns the exit status."""
-    from hf_attnscale.evaluation import real_checkpoints
+    from hf_attnscale.checkpoints.loading import fetch
 
     if args.list or args.name is None:
         print(checkpoint_list(args.cache_dir))
         return 0
-    print(real_checkpoints.fetch(args.name, cache_dir=args.cache_dir, progress=args.progress))
+    print(fetch(args.name, cache_dir=args.cache_dir, progress=args.progress))
     return 0
 
 
 def checkpoint_list(cache_dir: Path | None) -> str:
     """A line per real checkpoint: its name, what it is, and its folder if fetched (else its download size)."""
-    from hf_attnscale.evaluation.real_checkpoints import REAL_CHECKPOINTS, cache_root, fetched_path
+    from hf_attnscale.checkpoints.real import REAL_CHECKPOINTS, cache_root, fetched_path
 
     lines = [f"Real checkpoints (hf-attnscale fetch NAME; cache {cache_root(cache_dir)}):"]
     for name, spec in REAL_CHECKPOINTS.items():

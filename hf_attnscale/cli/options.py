@@ -185,8 +185,8 @@ def dtype(name: str, default: str | None = None) -> Any:
 
 def load_model(args: argparse.Namespace, on: torch.device) -> tuple[Any, Any, str]:
     """The model named by ``--model`` (and ``--gguf-file``), loaded on ``on`` with ``--dtype`` and
-    ``--attn-implementation``: ``(model, tokenizer, kind)`` (see `hf_attnscale.evaluation.models.load_model`)."""
-    from hf_attnscale.evaluation import models
+    ``--attn-implementation``: ``(model, tokenizer, kind)`` (see `hf_attnscale.checkpoints.models.load_model`)."""
+    from hf_attnscale.checkpoints import models
 
     progress = getattr(args, "progress", None)
     progress = sys.stderr.isatty() if progress is None else progress
@@ -201,8 +201,8 @@ def load_model(args: argparse.Namespace, on: torch.device) -> tuple[Any, Any, st
 
 
 def model_source(args: argparse.Namespace) -> str:
-    """``--model``, else the shipped model (`hf_attnscale.evaluation.models.DEFAULT_MODEL`)."""
-    from hf_attnscale.evaluation.models import DEFAULT_MODEL
+    """``--model``, else the shipped model (`hf_attnscale.checkpoints.models.DEFAULT_MODEL`)."""
+    from hf_attnscale.checkpoints.models import DEFAULT_MODEL
 
     return args.model or DEFAULT_MODEL
 
@@ -211,7 +211,7 @@ def model_name(args: argparse.Namespace) -> str:
     """The model as given, for titles and records: `model_source`, with ``--gguf-file`` if one is given."""
     if args.gguf_file is None:
         return model_source(args)
-    from hf_attnscale.evaluation.models import split_gguf
+    from hf_attnscale.checkpoints.models import split_gguf
 
     return "/".join(split_gguf(model_source(args), args.gguf_file))
 

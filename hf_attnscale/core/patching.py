@@ -28,8 +28,10 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from hf_attnscale.core.weights import CheckpointNotFound, read_tensors, safetensors_files
+from hf_attnscale.core.wrappers import unwrap
+
 from .attention import check_exit_backend
-from .checkpoint import CheckpointNotFound, read_tensors, safetensors_files
 from .config import (
     CONFIG_KEY,
     AttnScaleConfig,
@@ -47,7 +49,6 @@ from .families import (
     takes_position_embeddings,
 )
 from .gate import has_gate_hooks, set_gate_hooks
-from .models import unwrap
 from .offload import forward_slot, parameter_device, restore_forward, run_device, set_forward
 from .routing import ROTARY_ATTR, cache_routed_forward
 from .state import STATE_NAME, AttnScaleState, get_config, patched_modules, state_of

@@ -21,10 +21,11 @@ from typing import Any
 
 from torch import nn
 
+from hf_attnscale.core.wrappers import wrapped
+
 from .families import Rotary
 from .gate import gate_input
 from .hooks import HOOKS_KWARG, CallHooks, ambient_hooks, using_hooks
-from .models import wrapped
 
 ATTENTION_STEP = "attention_step"
 CACHE_ARGUMENTS = ("past_key_values", "cache", "layer_past")

@@ -12,10 +12,11 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from hf_attnscale.core.wrappers import unwrap
+
 from .config import AttnScaleConfig
 from .gate import make_gate
 from .laws import ssmax_init
-from .models import unwrap
 from .offload import is_offloaded, keep_resident
 
 STATE_NAME = "hfa"

@@ -25,11 +25,11 @@ from torch import nn
 from hf_attnscale.core.config import AttnScaleConfig
 from hf_attnscale.core.hooks import CallHooks, using_hooks
 from hf_attnscale.core.masks import visible_keys
-from hf_attnscale.core.models import backbone, unwrap
 from hf_attnscale.core.offload import run_device
 from hf_attnscale.core.patching import patched
 from hf_attnscale.core.state import get_config, patched_modules
 from hf_attnscale.core.validation import check_int
+from hf_attnscale.core.wrappers import backbone, unwrap
 
 QUERY_CHUNK = 256
 """Query rows scored at a time: memory is O(chunk x keys) per head."""

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from hf_attnscale.core.families import attention_modules
-from hf_attnscale.core.models import backbone, unwrap
 from hf_attnscale.core.offload import run_device
+from hf_attnscale.core.wrappers import backbone, unwrap
 
 
 @dataclass(frozen=True)

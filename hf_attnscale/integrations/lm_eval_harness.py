@@ -35,29 +35,28 @@ from lm_eval.models.huggingface import HFLM
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
-from hf_attnscale.core.checkpoint import check_gguf_file
+from hf_attnscale.checkpoints.loading import from_pretrained
+from hf_attnscale.checkpoints.models import (
+    cannot_load,
+    checked_source,
+    default_model_path,
+    head_kind,
+    model_kind,
+    split_gguf,
+)
+from hf_attnscale.checkpoints.real import FetchError, check_gguf_file
 from hf_attnscale.core.config import (
     OPTION_NAMES,
     AttnScaleConfig,
     default_train_length,
     read_saved_config,
 )
-from hf_attnscale.core.loading import from_pretrained
-from hf_attnscale.core.models import head_kind
 from hf_attnscale.core.patching import patch
 from hf_attnscale.core.state import get_config
 from hf_attnscale.core.validation import check_int
 from hf_attnscale.evaluation.corpus import builtin_documents
 from hf_attnscale.evaluation.mlm import pseudo_log_likelihood
-from hf_attnscale.evaluation.models import (
-    cannot_load,
-    checked_source,
-    default_model_path,
-    model_kind,
-    split_gguf,
-)
 from hf_attnscale.evaluation.perplexity import perplexity
-from hf_attnscale.evaluation.real_checkpoints import FetchError
 from hf_attnscale.streaming.cache import SinkCache, cache_settings
 from hf_attnscale.streaming.pos_shift import check_streaming_model
 

@@ -18,9 +18,9 @@ from transformers import DynamicCache
 
 from hf_attnscale.core.families import attention_modules, rule_for, takes_position_embeddings
 from hf_attnscale.core.gate import gate_input
-from hf_attnscale.core.models import unwrap
 from hf_attnscale.core.routing import cache_argument, rotary_of
 from hf_attnscale.core.state import get_config
+from hf_attnscale.core.wrappers import unwrap
 
 STREAMING_BACKENDS = ("eager", "sdpa")
 ROTATES_ATTR = "_hfa_rotates"

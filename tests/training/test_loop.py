@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hf_attnscale.checkpoints.models import default_model_path
 from hf_attnscale.evaluation.corpus import builtin_documents
-from hf_attnscale.evaluation.models import default_model_path
 from hf_attnscale.training import lm, mlm
 
 TINY = ["--hidden", "32", "--layers", "2", "--heads", "2", "--intermediate", "64", "--batch-size", "2"]

@@ -1,5 +1,4 @@
-"""The transformers model under the wrappers users train with (PEFT, DataParallel / DDP, torch.compile), and the
-head a model class says it has."""
+"""The transformers model under the wrappers users train with (PEFT, DataParallel / DDP, torch.compile)."""
 
 from __future__ import annotations
 
@@ -49,23 +48,3 @@ def backbone(model: nn.Module) -> nn.Module:
     """
     base = getattr(model, "base_model", None)
     return base if isinstance(base, nn.Module) else model
-
-
-HEAD_KINDS = {
-    "ForCausalLM": "causal",
-    "LMHeadModel": "causal",
-    "ForMaskedLM": "masked",
-    "ForPreTraining": "pretraining",
-    "ForConditionalGeneration": "conditional-generation",
-    "ForSequenceClassification": "sequence-classification",
-    "ForTokenClassification": "token-classification",
-    "ForQuestionAnswering": "question-answering",
-    "Model": "base",  # last: "LMHeadModel" also ends so
-}
-"""How transformers names a model class by its head: the end of the class name -> the head."""
-
-
-def head_kind(class_name: str) -> str | None:
-    """The head that a model class's name (or a saved architecture) says it has, a value of `HEAD_KINDS`
-    (``"causal"``, ``"masked"``, ``"base"``...); None where the name says nothing."""
-    return next((kind for suffix, kind in HEAD_KINDS.items() if class_name.endswith(suffix)), None)

