@@ -26,6 +26,8 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
 from transformers.utils import cached_file
 
+from hf_attnscale.core.weights import is_local_path
+
 from .loading import fetch, from_pretrained
 from .real import REAL_CHECKPOINTS, check_gguf_file, real_checkpoint_name
 
@@ -223,8 +225,7 @@ def checked_source(name: str, gguf_file: str | None = None, *, progress: bool = 
     """
     resolved = resolve_model_path(name, progress=progress)
     path = Path(resolved).expanduser()
-    # Anything that cannot be a Hub id ("org/name") is a local path; never send it to the Hub.
-    looks_local = path.exists() or resolved.startswith((".", "/", "~")) or resolved.count("/") > 1
+    looks_local = is_local_path(resolved)  # never sent to the Hub
     needed = gguf_file or "config.json"
     if looks_local and not (path / needed).is_file():
         what = "does not exist" if not path.exists() else f"has no {needed}"

@@ -16,6 +16,12 @@ from safetensors import safe_open
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, cached_file
 
 
+def is_local_path(name: str) -> bool:
+    """Whether a model named ``name`` can only be a local path, never a Hub id (``org/name``): it exists, starts
+    with ``.``, ``/`` or ``~``, or has more than one ``/``."""
+    return Path(name).expanduser().exists() or name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
 class CheckpointNotFound(LookupError):
     """No safetensors checkpoint could be found at a model's source."""
 
@@ -31,7 +37,7 @@ def safetensors_files(source: str | Path, **hub_kwargs: Any) -> list[Path]:
         if (directory / SAFE_WEIGHTS_NAME).is_file():
             return [directory / SAFE_WEIGHTS_NAME]
         raise CheckpointNotFound(f"{directory} has no {SAFE_WEIGHTS_NAME} (or a sharded index)")
-    if not str(source) or str(source).startswith((".", "/", "~")):
+    if not str(source) or is_local_path(str(source)):
         raise CheckpointNotFound(f"the directory {str(source)!r} does not exist (was it moved or deleted?)")
     for local_only in (True, False) if not hub_kwargs.get("local_files_only") else (True,):
         options = {**hub_kwargs, "local_files_only": local_only}
