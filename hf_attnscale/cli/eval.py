@@ -77,12 +77,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the evaluation; returns the exit status."""
+    from hf_attnscale.evaluation.processes import join_processes, process_share
     from hf_attnscale.evaluation.variants import Variant
 
     started = time.perf_counter()
     settings = _stream_settings(args)
     docs = documents(args.data, args.text_field)  # data errors are cheaper to find than a download
-    rank, world = _join_processes()
+    join_processes()  # under torchrun / accelerate launch: each process reads its share of the documents
+    rank, world = process_share()
     if rank:  # one table, one progress bar, one results.json: rank 0's
         args.progress = False
     on = device(args)
@@ -125,24 +127,6 @@ def run(args: argparse.Namespace) -> int:
     if rank:
         return 0
     return write_results(args, result, started, model=model_name(args), data=args.data, device=str(on))
-
-
-def _join_processes() -> tuple[int, int]:
-    """Under ``torchrun`` or ``accelerate launch`` (``WORLD_SIZE`` > 1), join the processes (gloo on CPU, NCCL
-    on GPUs, one GPU each): each reads its share of the documents, and the sums are added up
-    (`hf_attnscale.evaluation.sweep`). Returns ``(rank, world size)``; ``(0, 1)`` alone."""
-    import os
-
-    import torch
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world < 2:
-        return 0, 1
-    if not torch.distributed.is_initialized():
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return torch.distributed.get_rank(), world
 
 
 def describe(options: dict[str, Any], sink_tokens: int, window: int | None) -> str:

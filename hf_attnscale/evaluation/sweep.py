@@ -40,6 +40,7 @@ from hf_attnscale.streaming.cache import DEFAULT_SINK_TOKENS
 from hf_attnscale.streaming.pos_shift import check_streaming_model
 
 from .perplexity import segment_nll
+from .processes import process_share, summed_across_processes
 from .report import SweepResult, SweepRow, versions
 from .variants import Variant
 
@@ -138,27 +139,6 @@ def _rows_from_sums(
     ]
 
 
-def process_share() -> tuple[int, int]:
-    """``(rank, world size)`` of torch.distributed's default process group; ``(0, 1)`` without one."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
-def _summed_across_processes(values: list[float]) -> list[float]:
-    """``values`` summed element-wise over the processes of the default group (unchanged without one)."""
-    if process_share()[1] == 1:
-        return values
-    on = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.distributed.get_backend() == "nccl"
-        else None
-    )
-    summed = torch.tensor(values, dtype=torch.float64, device=on)
-    torch.distributed.all_reduce(summed)
-    return summed.tolist()
-
-
 def _score_variant(model, variant, chosen, lengths, chunk_size, bos_id, progress) -> list[SweepRow]:
     """One variant's rows: the token-weighted NLL of every segment of every document, at each length.
 
@@ -184,7 +164,7 @@ def _score_variant(model, variant, chosen, lengths, chunk_size, bos_id, progress
                     counts[length] += nll.numel()
                     bar.update(nll.numel())
             bar.set_postfix(ppl=f"{math.exp(nll_sum[longest] / counts[longest]):.2f}")
-    summed = _summed_across_processes([*nll_sum.values(), *counts.values()])
+    summed = summed_across_processes([*nll_sum.values(), *counts.values()])
     nll_sum = dict(zip(lengths, summed[: len(lengths)]))
     counts = {n: int(c) for n, c in zip(lengths, summed[len(lengths) :])}
     return _rows_from_sums(variant.name, nll_sum, counts, len(chosen))

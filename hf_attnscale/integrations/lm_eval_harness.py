@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import os
 import re
 import sys
 from collections.abc import Sequence
@@ -57,6 +56,7 @@ from hf_attnscale.core.validation import check_int
 from hf_attnscale.evaluation.corpus import builtin_documents
 from hf_attnscale.evaluation.mlm import pseudo_log_likelihood
 from hf_attnscale.evaluation.perplexity import perplexity
+from hf_attnscale.evaluation.processes import join_processes
 from hf_attnscale.streaming.cache import SinkCache, cache_settings
 from hf_attnscale.streaming.pos_shift import check_streaming_model
 
@@ -369,9 +369,9 @@ def builtin_dataset(
 
 def _start_cpu_processes() -> Accelerator | None:
     """Under ``accelerate launch`` (or torchrun) with several processes on a machine without a GPU: accelerate's
-    CPU process group (gloo), started before HFLM makes its own Accelerator, which would otherwise run each
-    process alone. None elsewhere."""
-    if int(os.environ.get("WORLD_SIZE", "1")) < 2 or torch.accelerator.current_accelerator() is not None:
+    CPU process group (gloo, `join_processes`), as an Accelerator started before HFLM makes its own, which
+    would otherwise run each process alone. None elsewhere."""
+    if join_processes() is None or torch.accelerator.current_accelerator() is not None:
         return None
     accelerator = Accelerator(cpu=True)
     return accelerator if accelerator.num_processes > 1 else None
