@@ -21,7 +21,7 @@ from sections.figures import figure, save
 from sections.tables import markdown
 
 import hf_attnscale as hfa
-from hf_attnscale.evaluation.sweep import recompute_rows
+from hf_attnscale.evaluation.recompute import recompute_rows
 
 from .context import SHORT_NAME, TRAINED_LENGTH, Context, Lazy
 

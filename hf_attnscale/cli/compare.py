@@ -26,7 +26,7 @@ from .options import (
     model_name,
     trained_length,
 )
-from .sweep import Tokenized, row_printer, run_sweep, tokenized, write_results
+from .results import Tokenized, row_printer, run_sweep, tokenized, write_results
 
 if TYPE_CHECKING:
     from torch import nn
@@ -191,7 +191,8 @@ def add_recompute(
 ) -> str:
     """Score re-computation with each cache on the sweep's documents and add its rows to ``result``; returns a
     note on what it scored."""
-    from hf_attnscale.evaluation.sweep import recompute_rows, run_variants, sweep_documents
+    from hf_attnscale.evaluation.recompute import recompute_rows
+    from hf_attnscale.evaluation.sweep import run_variants, sweep_documents
     from hf_attnscale.evaluation.variants import Variant
 
     longest = result.lengths[-1]

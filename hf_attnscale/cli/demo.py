@@ -14,7 +14,7 @@ from .options import (
     dtype,
     lengths_type,
 )
-from .sweep import run_sweep, tokenized, write_results
+from .results import run_sweep, tokenized, write_results
 
 MULTIPLES = (1, 2, 4, 8, 16)
 DOCUMENTS = 4
@@ -46,7 +46,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns the exit status."""
     from hf_attnscale.checkpoints import models
-    from hf_attnscale.evaluation.sweep import demo_variants
+    from hf_attnscale.evaluation.variants import demo_variants
 
     started = time.perf_counter()
     on = device(args)

@@ -25,7 +25,7 @@ from .options import (
     model_name,
     trained_length,
 )
-from .sweep import row_printer, run_sweep, tokenized, write_results
+from .results import row_printer, run_sweep, tokenized, write_results
 
 if TYPE_CHECKING:
     from torch import nn

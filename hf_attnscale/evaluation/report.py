@@ -205,3 +205,13 @@ def versions() -> dict[str, str]:
         "transformers": transformers.__version__,
         "tokenizers": tokenizers.__version__,
     }
+
+
+def rows_from_sums(
+    name: str, nll_sum: dict[int, float], counts: dict[int, int], documents: int
+) -> list[SweepRow]:
+    """A `SweepRow` per length from the summed NLL and the count of scored tokens at each length."""
+    return [
+        SweepRow(name, n, math.exp(nll_sum[n] / counts[n]), nll_sum[n] / counts[n], counts[n], documents)
+        for n in nll_sum
+    ]

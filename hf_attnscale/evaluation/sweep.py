@@ -36,44 +36,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from hf_attnscale.core.validation import as_int, check_int
-from hf_attnscale.streaming.cache import DEFAULT_SINK_TOKENS
 from hf_attnscale.streaming.pos_shift import check_streaming_model
 
 from .perplexity import segment_nll
 from .processes import process_share, summed_across_processes
-from .report import SweepResult, SweepRow, versions
+from .report import SweepResult, SweepRow, rows_from_sums, versions
 from .variants import Variant
-
-
-def demo_variants(
-    train_length: int, sink_tokens: int = DEFAULT_SINK_TOKENS, bos: bool = False
-) -> list[Variant]:
-    """The variants of ``hf-attnscale demo`` for a model trained at ``train_length`` tokens (L below).
-
-    unpatched; logn (``max(1, log_L(n))``); window-only and sink+window streaming with a cache of L tokens,
-    so no token ever sees a position the model was not trained on; and streaming+logn with a cache of 2L,
-    next to sink+window with the same 2L cache so the two differ only by logn. (With a cache of at most L,
-    the clamped logn factor is 1 everywhere and streaming+logn would equal sink+window exactly.) With ``bos``
-    (segments read behind a BOS token, ``L + 1`` positions at 1x) every cache holds one token more, so that
-    at the trained length a segment still fits.
-    """
-    logn = {"scale": "logn", "train_length": train_length}
-    capacity = train_length + bos
-    wide = Variant.streamed(capacity + train_length, sink_tokens)
-    return [
-        Variant("unpatched"),
-        Variant("logn", patch=logn),
-        Variant.streamed(capacity, 0),
-        Variant.streamed(capacity, sink_tokens),
-        wide,
-        Variant(
-            f"streaming+logn ({sink_tokens}+{wide.window})",
-            patch=logn,
-            sink_tokens=sink_tokens,
-            window=wide.window,
-        ),
-    ]
-
 
 OnVariant = Callable[[Variant, list[SweepRow], float], None]
 """Called with each variant's rows and seconds as soon as it is done (for live output)."""
@@ -129,16 +97,6 @@ def sweep(
     )
 
 
-def _rows_from_sums(
-    name: str, nll_sum: dict[int, float], counts: dict[int, int], documents: int
-) -> list[SweepRow]:
-    """A `SweepRow` per length from the summed NLL and the count of scored tokens at each length."""
-    return [
-        SweepRow(name, n, math.exp(nll_sum[n] / counts[n]), nll_sum[n] / counts[n], counts[n], documents)
-        for n in nll_sum
-    ]
-
-
 def _score_variant(model, variant, chosen, lengths, chunk_size, bos_id, progress) -> list[SweepRow]:
     """One variant's rows: the token-weighted NLL of every segment of every document, at each length.
 
@@ -167,7 +125,7 @@ def _score_variant(model, variant, chosen, lengths, chunk_size, bos_id, progress
     summed = summed_across_processes([*nll_sum.values(), *counts.values()])
     nll_sum = dict(zip(lengths, summed[: len(lengths)]))
     counts = {n: int(c) for n, c in zip(lengths, summed[len(lengths) :])}
-    return _rows_from_sums(variant.name, nll_sum, counts, len(chosen))
+    return rows_from_sums(variant.name, nll_sum, counts, len(chosen))
 
 
 def check_lengths(lengths: Sequence[int]) -> list[int]:
@@ -291,49 +249,3 @@ def _check_model_runs(model: nn.Module, variants: Sequence[Variant]) -> None:
                     check_streaming_model(model)
         except ValueError as err:
             raise ValueError(f"Variant {variant.name!r}: {err}") from err
-
-
-def recompute_rows(
-    model: nn.Module,
-    name: str,
-    cache: int,
-    docs: Sequence[torch.Tensor],
-    lengths: Sequence[int],
-    *,
-    every: int = 1,
-    bos_id: int | None = None,
-    chunk_size: int = 512,
-    progress: bool | None = None,
-) -> list[SweepRow]:
-    """Re-computation's rows, a `SweepRow` per length, read as the sweep reads a length (in segments, from
-    scratch, behind ``bos_id`` if given).
-
-    Token ``p`` of its L-token segment is predicted from the last ``cache`` tokens before it in the segment (BOS
-    first, then ``cache - 1`` of them, behind BOS), re-read from scratch. Only the tokens ``p`` with
-    ``p % every == every - 1`` in the document are scored, the same at every length. The tokens whose context
-    starts at the same token (a segment's first ``cache`` tokens; a token at several lengths) share one read.
-    """
-    context = cache - (bos_id is not None)  # tokens of the segment a re-read holds before the predicted one
-    first = 0 if bos_id is not None else 1  # read without BOS, a segment's first token is not predicted
-    reads: dict[
-        tuple[int, int], dict[int, list[int]]
-    ] = {}  # (document, first token read) -> {token: lengths}
-    for d, doc in enumerate(docs):
-        for length in lengths:
-            for p in range(every - 1, doc.numel(), every):
-                start = p - p % length
-                if p - start >= first:
-                    reads.setdefault((d, max(start, p - context)), {}).setdefault(p, []).append(length)
-    nll_sum, counts = dict.fromkeys(lengths, 0.0), dict.fromkeys(lengths, 0)
-    for (d, start), targets in tqdm(
-        reads.items(), desc=name, unit="read", disable=None if progress is None else not progress
-    ):
-        # Causal: a read up to the last target gives each earlier target what a read up to it would.
-        nll = segment_nll(model, docs[d][start : max(targets) + 1], bos_id, chunk_size=chunk_size)
-        for p, scored_at in targets.items():
-            for length in scored_at:
-                nll_sum[length] += nll[p - start - first].item()
-                counts[length] += 1
-    if not all(counts.values()):
-        raise ValueError(f"Re-computation on 1 token in {every} scores none at some length; score more.")
-    return _rows_from_sums(name, nll_sum, counts, len(docs))

@@ -11,7 +11,7 @@ from torch import nn
 
 from hf_attnscale.core.config import AttnScaleConfig
 from hf_attnscale.core.patching import patched
-from hf_attnscale.streaming.cache import SinkCache, cache_settings
+from hf_attnscale.streaming.cache import DEFAULT_SINK_TOKENS, SinkCache, cache_settings
 
 
 def cache_label(sink_tokens: int, window: int) -> str:
@@ -85,3 +85,33 @@ class Variant:
             "sink_tokens": self.sink_tokens if self.streaming else None,
             "window": self.window,
         }
+
+
+def demo_variants(
+    train_length: int, sink_tokens: int = DEFAULT_SINK_TOKENS, bos: bool = False
+) -> list[Variant]:
+    """The variants of ``hf-attnscale demo`` for a model trained at ``train_length`` tokens (L below).
+
+    unpatched; logn (``max(1, log_L(n))``); window-only and sink+window streaming with a cache of L tokens,
+    so no token ever sees a position the model was not trained on; and streaming+logn with a cache of 2L,
+    next to sink+window with the same 2L cache so the two differ only by logn. (With a cache of at most L,
+    the clamped logn factor is 1 everywhere and streaming+logn would equal sink+window exactly.) With ``bos``
+    (segments read behind a BOS token, ``L + 1`` positions at 1x) every cache holds one token more, so that
+    at the trained length a segment still fits.
+    """
+    logn = {"scale": "logn", "train_length": train_length}
+    capacity = train_length + bos
+    wide = Variant.streamed(capacity + train_length, sink_tokens)
+    return [
+        Variant("unpatched"),
+        Variant("logn", patch=logn),
+        Variant.streamed(capacity, 0),
+        Variant.streamed(capacity, sink_tokens),
+        wide,
+        Variant(
+            f"streaming+logn ({sink_tokens}+{wide.window})",
+            patch=logn,
+            sink_tokens=sink_tokens,
+            window=wide.window,
+        ),
+    ]

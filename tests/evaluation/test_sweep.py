@@ -15,7 +15,9 @@ from hf_attnscale.cli.options import parse_lengths
 from hf_attnscale.evaluation.corpus import Document, builtin_documents
 from hf_attnscale.evaluation.documents import load_documents
 from hf_attnscale.evaluation.perplexity import perplexity
-from hf_attnscale.evaluation.sweep import Variant, demo_variants, recompute_rows, sweep
+from hf_attnscale.evaluation.recompute import recompute_rows
+from hf_attnscale.evaluation.sweep import sweep
+from hf_attnscale.evaluation.variants import Variant, demo_variants
 
 
 def segment_ppl(model, documents: list[torch.Tensor], longest: int, length: int) -> float:
