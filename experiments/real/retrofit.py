@@ -7,7 +7,8 @@ logit, a learnable clipped softmax and the two gates. The learnable cures start 
 (sink at 0 is zero_kv; γ = 0, ζ = 1 is the softmax; a gate starts at 1): a fixed clip at Bondarenko's
 γ = −α/T (α = 8) zeroes every weight under 3% and takes SmolLM2's perplexity to thousands. The scalar
 parameters (sinks, clip bounds) train at section 7's `PATCH_LR`; the gates' projections at LoRA's rate (at
-`PATCH_LR` two steps saturate them). After training, on the held-out split: perplexity in float32 and in
+`PATCH_LR` two steps saturate them). The clip bounds at `PATCH_LR` move by about that much a step, in units of
+probability: the run diverges within four steps, so the clipped softmax is also run with its bounds at LoRA's rate. After training, on the held-out split: perplexity in float32 and in
 simulated W8A8 (with and without the first token kept in float), the kurtosis and the largest |value| of each layer's output, the attention
 mass on the first token and on the exit, and window-only against sink+window streaming.
 """
@@ -15,6 +16,7 @@ mass on the first token and on the exit, and window-only against sink+window str
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -34,14 +36,20 @@ RUNS = {
     "zero_kv": {"zero_kv": True},
     "learnable sink": {"sink_logit": "learnable"},
     "clipped softmax": {"clipped_softmax": "learnable"},
+    "clipped softmax, slow bounds": {"clipped_softmax": "learnable"},
     "gate (head)": {"gate": "head"},
     "gate (element)": {"gate": "element"},
 }
-GATE_LR = LR
+SLOW = {"gate (head)", "gate (element)", "clipped softmax, slow bounds"}
+"""The runs whose patch parameters train at LoRA's rate `LR`, not at the sinks' `PATCH_LR`."""
 STEPS = 40
 SEEDS = (0, 1)
 EVAL_TOKENS = 4096
 CACHES = {"window-only (0+256)": (0, 256), "sink+window (4+252)": (4, 252)}
+DIVERGED = 10
+"""A run whose fp32 perplexity is this many times LoRA alone's is reported as diverged (not drawn in the bars)."""
+MAX_SCALARS = 1000
+"""Learned scalars per run written to retrofit.json at most (`_without_large_scalars`)."""
 PROBE = 2  # windows of EVAL_WINDOW tokens for the outlier and attention statistics
 
 
@@ -76,7 +84,7 @@ def run(context: Context) -> str:
     results: dict[str, list[dict]] = {label: [] for label in RUNS}
     for seed in SEEDS:  # seed by seed: a stopped run has whole seeds done
         for label, options in RUNS.items():
-            patch_lr = GATE_LR if options and "gate" in options else PATCH_LR
+            patch_lr = LR if label in SLOW else PATCH_LR
             results[label].append(
                 context.cells.get(
                     f"retrofit/{MODEL}/{label}/{steps}x{BATCH}x{LENGTH}/seed{seed}/{eval_tokens}",
@@ -85,7 +93,8 @@ def run(context: Context) -> str:
                     ),
                 )
             )
-    (context.out / "retrofit.json").write_text(json.dumps(results, indent=1))
+    kept = {label: [_without_large_scalars(r) for r in runs] for label, runs in results.items()}
+    (context.out / "retrofit.json").write_text(json.dumps(kept, indent=1))
     plot_retrofit(results, context.out / "retrofit.png")
     columns = ["fp32", "W8A8", "W8A8, first kept", *CACHES, "mass on token 0", "mass on the exit"]
     rows = []
@@ -111,6 +120,13 @@ def _after(trained: dict) -> dict:
     return {**trained["after"], **learned}
 
 
+def _without_large_scalars(run: dict) -> dict:
+    """``run`` for the JSON file: the learned scalars kept where they are per head (sinks, clip bounds, head
+    gates), left out where they are per channel (the element gate's 17k biases; they stay in the cells)."""
+    size = sum(len(row) for row in run["scalars"])
+    return run if size <= MAX_SCALARS else {k: v for k, v in run.items() if k != "scalars"}
+
+
 def _cell(values: list[float], mass: bool, digits: int | None = None) -> str:
     digits = (3 if mass else 2) if digits is None else digits
     mean, spread = float(np.mean(values)), (max(values) - min(values)) / 2
@@ -118,21 +134,37 @@ def _cell(values: list[float], mass: bool, digits: int | None = None) -> str:
 
 
 def plot_retrofit(results: dict[str, list[dict]], path: Path) -> None:
-    """Kurtosis by layer (left, log scale) and perplexity in fp32, W8A8 and window-only streaming (right)."""
+    """Kurtosis by layer (left, log scale) and perplexity in fp32, W8A8 and window-only streaming (right; a run
+    that diverged, fp32 perplexity over `DIVERGED` x LoRA alone's, is named on the panel instead of drawn)."""
     fig, axes = figure(2, width=5.5, height=3.8)
+    baseline = np.mean([r["fp32"] for r in results["LoRA alone"]])
+    diverged = {
+        label for label, runs in results.items() if np.mean([r["fp32"] for r in runs]) > DIVERGED * baseline
+    }
     for label, runs in results.items():
         kurtosis = np.mean([r["kurtosis by layer"] for r in runs], axis=0)
-        axes[0].semilogy(range(len(kurtosis)), kurtosis, marker=".", label=label)
+        name = f"{label} (diverged)" if label in diverged else label
+        axes[0].semilogy(range(len(kurtosis)), kurtosis, marker=".", label=name)
     axes[0].set(xlabel="layer", ylabel="kurtosis of the layer's output", title="outliers after the retrofit")
-    axes[0].legend(fontsize=7)
+    axes[0].legend(fontsize=6, loc="upper left")
     measures = ["fp32", "W8A8", "window-only (0+256)"]
-    labels = list(results)
+    labels = [label for label in results if label not in diverged]
     width = 0.8 / len(measures)
     for i, m in enumerate(measures):
         values = [np.mean([r[m] for r in results[label]]) for label in labels]
         axes[1].bar([k + (i - 1) * width for k in range(len(labels))], values, width, label=m)
-    axes[1].set_xticks(range(len(labels)), [label.replace(" ", "\n", 1) for label in labels], fontsize=7)
-    axes[1].set_yscale("log")  # a cure that breaks the model must not flatten the others' bars
-    axes[1].set(ylabel="held-out perplexity (log scale)", title="what each cure costs and buys")
-    axes[1].legend(fontsize=7)
+    axes[1].set_xticks(range(len(labels)), [textwrap.fill(label, 10) for label in labels], fontsize=7)
+    top = max(np.mean([r[m] for r in results[label]]) for label in labels for m in measures)
+    axes[1].set(ylabel="held-out perplexity", title="what each cure costs and buys", ylim=(0, 1.3 * top))
+    for label in diverged:
+        fp32 = np.mean([r["fp32"] for r in results[label]])
+        axes[1].text(
+            0.02,
+            0.97,
+            f"not drawn: {label} diverged\n(fp32 perplexity {fp32:,.0f})",
+            fontsize=7,
+            transform=axes[1].transAxes,
+            va="top",
+        )
+    axes[1].legend(fontsize=7, loc="upper right")
     save(fig, path)
