@@ -11,6 +11,7 @@ compose without special cases.
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 from torch import nn
@@ -23,7 +24,9 @@ from hf_attnscale.core.state import get_config
 from hf_attnscale.core.wrappers import unwrap
 
 STREAMING_BACKENDS = ("eager", "sdpa")
-ROTATES_ATTR = "_hfa_rotates"
+_ROTATES: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+"""Whether each attention module applies RoPE (`layer_rotates`), kept here rather than on the module, which
+`hf_attnscale.core` owns: nothing of streaming stays on a model, and a module that is freed drops its entry."""
 _FINDING_ROTATION = threading.Lock()
 UNPATCHED_MESSAGE = (
     "This attention module cannot stream with a SinkCache. SinkCache needs a RoPE decoder patched with "
@@ -108,14 +111,13 @@ def layer_rotates(module: nn.Module, hidden_states, position_embeddings, identit
     Some families skip RoPE on some layers (NoPE); rotating their keys in the cache would be wrong. The keys
     the layer hands its cache are compared under the identity and under real, non-trivial cos/sin.
     """
-    if ROTATES_ATTR in module.__dict__:
-        return module.__dict__[ROTATES_ATTR]
-    with _FINDING_ROTATION:  # found once per module, whichever stream asks first; never changed after
-        if ROTATES_ATTR not in module.__dict__:
-            module.__dict__[ROTATES_ATTR] = _rotates(
-                module, hidden_states, position_embeddings, identity, extra
-            )
-    return module.__dict__[ROTATES_ATTR]
+    found = _ROTATES.get(module)
+    if found is None:
+        with _FINDING_ROTATION:  # found once per module, whichever stream asks first; never changed after
+            if module not in _ROTATES:
+                _ROTATES[module] = _rotates(module, hidden_states, position_embeddings, identity, extra)
+            found = _ROTATES[module]
+    return found
 
 
 def _rotates(module: nn.Module, hidden_states, position_embeddings, identity, extra: dict) -> bool:

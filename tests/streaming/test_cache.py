@@ -417,3 +417,17 @@ def test_backend_without_dense_masks_raises():
         model(torch.randint(2, SHARP_VOCAB, (1, 6)), past_key_values=hfa.SinkCache(2, 4))
     with pytest.raises(ValueError, match="eager or sdpa"):
         hfa.perplexity(model, torch.randint(2, SHARP_VOCAB, (20,)), cache=hfa.SinkCache(2, 4), progress=False)
+
+
+def test_streaming_then_unpatch_leaves_nothing_on_the_modules():
+    """What streaming finds about a layer (whether it rotates) is kept by streaming, not written onto the modules
+    that core owns: after a stream and unpatch, every module's attributes are the pristine model's."""
+    model = sharp_model()
+    before = {name: set(vars(module)) for name, module in model.named_modules()}
+    hfa.patch(model)
+    ids = torch.randint(0, SHARP_VOCAB, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        stream_logits(model, ids, hfa.SinkCache(2, 6), [5, 1, 3])
+    hfa.unpatch(model)
+    after = {name: set(vars(module)) for name, module in model.named_modules()}
+    assert after == before
