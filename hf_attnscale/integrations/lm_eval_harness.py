@@ -54,6 +54,7 @@ from hf_attnscale.core.patching import patch
 from hf_attnscale.core.state import get_config
 from hf_attnscale.core.validation import check_int
 from hf_attnscale.evaluation.corpus import builtin_documents
+from hf_attnscale.evaluation.long_texts import joined_documents, kjv_books
 from hf_attnscale.evaluation.mlm import pseudo_log_likelihood
 from hf_attnscale.evaluation.perplexity import perplexity
 from hf_attnscale.evaluation.processes import join_processes
@@ -365,6 +366,28 @@ def builtin_dataset(
         ]
         names, texts = [n for n, _ in kept], [t for _, t in kept]
     return datasets.DatasetDict({"test": datasets.Dataset.from_dict({"name": names, "text": texts})})
+
+
+def long_dataset(text: str = "kjv", min_tokens: int = 32768, **_runtime_metadata: Any):
+    """Long documents for reading past a real model's trained length, as a ``datasets.DatasetDict`` with one
+    ``test`` split (fields name, text), for the ``hfa_kjv_books`` and ``hfa_stdlib_32k`` task YAMLs.
+
+    Args:
+        text: ``"kjv"``, the King James Bible's 66 books (fetched from Debian on first use,
+            `hf_attnscale.evaluation.long_texts`); or ``"stdlib"``, the held-out stdlib files joined in name
+            order into documents of at least ``min_tokens`` tokens of the shipped tokenizer.
+        min_tokens: with ``"stdlib"``, the joined documents' least length.
+        **_runtime_metadata: lm-eval passes its model_args and metadata here too; they are ignored.
+    """
+    if text == "kjv":
+        documents = kjv_books()
+    elif text == "stdlib":
+        tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+        documents = joined_documents(builtin_documents("heldout"), tokenizer, min_tokens)
+    else:
+        raise ValueError(f"Unknown long text {text!r}; valid: 'kjv', 'stdlib'.")
+    columns = {"name": [d.name for d in documents], "text": [d.text for d in documents]}
+    return datasets.DatasetDict({"test": datasets.Dataset.from_dict(columns)})
 
 
 def _start_cpu_processes() -> Accelerator | None:
