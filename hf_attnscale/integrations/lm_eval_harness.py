@@ -41,6 +41,7 @@ from hf_attnscale.checkpoints.models import (
     default_model_path,
     head_kind,
     model_kind,
+    resolve_model_path,
     split_gguf,
 )
 from hf_attnscale.checkpoints.real import FetchError, check_gguf_file
@@ -56,12 +57,16 @@ from hf_attnscale.core.validation import check_int
 from hf_attnscale.evaluation.corpus import builtin_documents
 from hf_attnscale.evaluation.long_texts import joined_documents, kjv_books
 from hf_attnscale.evaluation.mlm import pseudo_log_likelihood
+from hf_attnscale.evaluation.passkey import passkey_prompts
 from hf_attnscale.evaluation.perplexity import perplexity
 from hf_attnscale.evaluation.processes import join_processes
 from hf_attnscale.streaming.cache import SinkCache, cache_settings
 from hf_attnscale.streaming.pos_shift import check_streaming_model
 
 MODEL_TYPE = "hf-attnscale"
+PASSKEY_LENGTHS = (4096, 8192, 16384, 32768)
+PASSKEY_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+"""The built-in passkey tasks' haystack lengths (each task takes one) and depths (their per-depth metrics)."""
 TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
 """The package's lm-eval task configs (the built-in corpus at several lengths, templates, Hub corpora)."""
 
@@ -388,6 +393,41 @@ def long_dataset(text: str = "kjv", min_tokens: int = 32768, **_runtime_metadata
         raise ValueError(f"Unknown long text {text!r}; valid: 'kjv', 'stdlib'.")
     columns = {"name": [d.name for d in documents], "text": [d.text for d in documents]}
     return datasets.DatasetDict({"test": datasets.Dataset.from_dict(columns)})
+
+
+def passkey_dataset(
+    lengths: Sequence[int] = PASSKEY_LENGTHS,
+    depths: Sequence[float] = PASSKEY_DEPTHS,
+    per_cell: int = 2,
+    seed: int = 0,
+    pretrained: str | None = None,
+    **_runtime_metadata: Any,
+):
+    """Passkey prompts (`hf_attnscale.evaluation.passkey`) as a ``datasets.DatasetDict`` with one ``test``
+    split (fields context, key, length, depth), for the ``hfa_passkey_*`` task YAMLs. Sized in the tokens of the
+    evaluated model's tokenizer (``pretrained``, which lm-eval passes from ``--model_args``), else the shipped
+    model's."""
+    source = resolve_model_path(pretrained, progress=False) if pretrained else str(default_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    prompts = passkey_prompts(tokenizer, lengths, depths, per_cell, seed)
+    columns = {field: [getattr(p, field) for p in prompts] for field in ("context", "key", "length", "depth")}
+    return datasets.DatasetDict({"test": datasets.Dataset.from_dict(columns)})
+
+
+def passkey_results(doc: dict, results: list) -> dict[str, Any]:
+    """A passkey prompt's metrics: ``acc`` (every key token is the greedy choice: greedy decoding would write
+    the key), ``key_loglikelihood``, and ``acc_depth_D`` for its depth D in percent (None at the others; see
+    `mean_present`)."""
+    loglikelihood, is_greedy = results[0]
+    by_depth = {f"acc_depth_{round(100 * d)}": None for d in PASSKEY_DEPTHS}
+    by_depth[f"acc_depth_{round(100 * doc['depth'])}"] = int(is_greedy)
+    return {"acc": int(is_greedy), "key_loglikelihood": loglikelihood, **by_depth}
+
+
+def mean_present(values: Sequence[float | None]) -> float:
+    """The mean of the values that are not None (a per-depth metric is None on prompts of other depths)."""
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else float("nan")
 
 
 def _start_cpu_processes() -> Accelerator | None:

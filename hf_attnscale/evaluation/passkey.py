@@ -1,0 +1,67 @@
+"""Passkey retrieval, generated offline: a haystack of filler text with a 5-digit key stated at a chosen depth, then
+the question. A model that reads the whole context recalls the key; one that only keeps its perplexity low (a
+window that evicted the key) does not.
+
+The filler is the classic passkey test's repeated sentences; each prompt is sized in the evaluated model's
+own tokens, and the keys come from a seeded generator, so a prompt set is the same on every machine.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = " What is the pass key? The pass key is"
+
+
+@dataclass(frozen=True)
+class Passkey:
+    """One prompt: ``context`` (haystack and question, about ``length`` tokens), and ``key``, whose tokens
+    (read as ``" " + key``) should follow it. ``depth``: where the key is stated, 0 (first) to 1 (last)."""
+
+    context: str
+    key: str
+    length: int
+    depth: float
+
+
+def passkey_prompts(
+    tokenizer: PreTrainedTokenizerBase,
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    per_cell: int = 1,
+    seed: int = 0,
+) -> list[Passkey]:
+    """``per_cell`` prompts for each length (in ``tokenizer``'s tokens, its special tokens included) and depth.
+
+    The haystack holds as many filler units as fit beside the key and the question; the key's sentence goes
+    after ``round(depth * units)`` of them. Raises ValueError for a length too short for the key and question.
+    """
+    rng = random.Random(seed)
+
+    def count(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    special = len(tokenizer("")["input_ids"])
+    unit, fixed = count(FILLER), count(NEEDLE.format(key="12345")) + count(QUESTION) + special
+    prompts = []
+    for length in lengths:
+        units = (length - fixed) // unit
+        if units < 1:
+            raise ValueError(
+                f"A passkey prompt needs more than {fixed + unit} tokens of this tokenizer; got {length}."
+            )
+        for depth in depths:
+            if not 0 <= depth <= 1:
+                raise ValueError(f"Depths are fractions of the haystack, from 0 to 1; got {depth}.")
+            for _ in range(per_cell):
+                key = str(rng.randint(10000, 99999))
+                before = round(depth * units)
+                context = FILLER * before + NEEDLE.format(key=key) + FILLER * (units - before) + QUESTION
+                prompts.append(Passkey(context, key, length, depth))
+    return prompts
