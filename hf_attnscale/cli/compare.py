@@ -21,6 +21,7 @@ from .options import (
     count_type,
     device,
     documents,
+    length_marks,
     lengths_type,
     load_model,
     model_name,
@@ -77,7 +78,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--train-length",
         type=count_type(2),
-        help="the model's trained length, for logn and the plot (default: max_position_embeddings)",
+        help="L of logn, and the length the table's multiples are of (default: max_position_embeddings, "
+        "which the plot marks as the trained length)",
     )
     parser.add_argument(
         "--documents",
@@ -150,10 +152,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         notes.append(add_recompute(args, model, texts, result, caches, printer))
     print("\n" + "\n".join(f"note: {note}" for note in notes), flush=True)
+    marks = length_marks(args, model)  # the config's trained length first, then a --train-length that differs
     return write_results(
         args,
         result,
         started,
+        marks=marks,
         model=name,
         data=args.data,
         device=str(on),
@@ -162,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
         sink_tokens=args.sink_tokens,
         recompute_every=None if args.no_recompute else args.recompute_every,
         notes=notes,
-        title=f"{name} (trained at {train_length} tokens): {args.data}",
+        title=f"{name} (trained at {marks[0].length} tokens): {args.data}",
     )
 
 
@@ -230,7 +234,11 @@ def add_recompute(
         f"{note} from scratch, on one token in {args.recompute_every} only ({scored} of the {total} tokens "
         "the other rows score at each length): its perplexities are estimates from that subsample"
     )
-    if scored < FEW_TOKENS:
+    if scored < FEW_TOKENS:  # the plot draws these rows apart, as estimates from so many tokens
+        for variant in extra.variants:
+            result.estimates[variant.name] = next(
+                r.tokens for r in extra.rows if r.variant == variant.name and r.length == longest
+            )
         return (
             f"{note}, and {scored} tokens are too few for a steady one (its perplexity can differ from the "
             "other rows' by the sample alone): lower --recompute-every or raise --documents."

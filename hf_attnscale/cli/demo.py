@@ -12,6 +12,7 @@ from .options import (
     device,
     documents,
     dtype,
+    length_marks,
     lengths_type,
 )
 from .results import run_sweep, tokenized, write_results
@@ -66,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         args,
         result,
         started,
+        marks=length_marks(args, model),
         model=models.DEFAULT_MODEL,
         data=DEFAULT_DATA,
         device=str(on),

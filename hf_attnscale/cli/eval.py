@@ -20,6 +20,7 @@ from .options import (
     device,
     documents,
     given_patch,
+    length_marks,
     lengths_type,
     load_model,
     model_name,
@@ -126,7 +127,15 @@ def run(args: argparse.Namespace) -> int:
         )
     if rank:
         return 0
-    return write_results(args, result, started, model=model_name(args), data=args.data, device=str(on))
+    return write_results(
+        args,
+        result,
+        started,
+        marks=length_marks(args, model),
+        model=model_name(args),
+        data=args.data,
+        device=str(on),
+    )
 
 
 def describe(options: dict[str, Any], sink_tokens: int, window: int | None) -> str:

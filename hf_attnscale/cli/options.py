@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from hf_attnscale.evaluation.corpus import Document
+    from hf_attnscale.evaluation.report import LengthMark
 
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 DEFAULT_DATA = "builtin:stdlib-heldout"
@@ -134,8 +135,21 @@ def trained_length(args: argparse.Namespace, model: Any) -> int | None:
     """The trained length by the one rule (`hf_attnscale.core.config.default_train_length`, which the lm-eval
     model type follows too): ``--train-length`` if given, else the model config's ``max_position_embeddings``
     (None where it has none)."""
-    given = getattr(args, "scale_length", None) or getattr(args, "train_length", None)
-    return default_train_length(given, model.config)
+    return default_train_length(_given_length(args), model.config)
+
+
+def length_marks(args: argparse.Namespace, model: Any) -> list[LengthMark]:
+    """What the plot marks (`hf_attnscale.evaluation.report.length_marks`): the config's
+    ``max_position_embeddings`` as the trained length where it has one, and a ``--train-length`` that differs
+    from it as the patch's L (the trained length where the config has none)."""
+    from hf_attnscale.evaluation.report import length_marks
+
+    return length_marks(getattr(model.config, "max_position_embeddings", None), _given_length(args))
+
+
+def _given_length(args: argparse.Namespace) -> int | None:
+    """``--train-length``: stored as ``scale_length`` by the patch's flags, as ``train_length`` by compare's."""
+    return getattr(args, "scale_length", None) or getattr(args, "train_length", None)
 
 
 def given_patch(args: argparse.Namespace, model: Any) -> dict[str, Any]:

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     import torch
 
     from hf_attnscale.evaluation.corpus import Document
-    from hf_attnscale.evaluation.report import SweepResult, SweepRow
+    from hf_attnscale.evaluation.report import LengthMark, SweepResult, SweepRow
     from hf_attnscale.evaluation.sweep import OnVariant
     from hf_attnscale.evaluation.variants import Variant
 
@@ -96,10 +96,18 @@ def row_printer(lengths: Sequence[int], train_length: int | None, measure: str) 
 
 
 def write_results(
-    args: argparse.Namespace, result: SweepResult, started: float, *, title: str | None = None, **info: Any
+    args: argparse.Namespace,
+    result: SweepResult,
+    started: float,
+    *,
+    marks: Sequence[LengthMark] = (),
+    title: str | None = None,
+    **info: Any,
 ) -> int:
-    """Record the run in the result (``info``, the command, the wall time), write its JSON and plot."""
+    """Record the run in the result (``info``, the command, the wall time), write its JSON and plot, which
+    marks ``marks`` (`hf_attnscale.cli.options.length_marks`)."""
     seconds = time.perf_counter() - started
+    result.marks = list(marks)
     result.info.update(info, command=shlex.join(["hf-attnscale", *args.argv]), wall_seconds=seconds)
     json_path = result.write_json(args.out / "results.json")
     png_path = result.plot(args.out / "ppl_vs_length.png", title=title)

@@ -71,6 +71,11 @@ def test_eval_writes_table_json_and_plot(model_dir, data_file, tmp_path, capsys)
     assert ppl[(name, 16)] == pytest.approx(ppl[("unpatched", 16)], rel=1e-5)
     assert ppl[(name, 64)] != pytest.approx(ppl[("unpatched", 64)], rel=1e-4)
     assert (out_dir / "ppl_vs_length.png").read_bytes()[:4] == b"\x89PNG"
+    # The plot marks the config's trained length (64) as that, and --train-length 16 as the patch's L only.
+    assert saved["length_marks"] == [
+        {"length": 64, "what": "trained length", "source": "config's max_position_embeddings"},
+        {"length": 16, "what": "L of the patch", "source": "--train-length"},
+    ]
 
 
 @pytest.mark.parametrize("command", ["eval", "diagnose"])
@@ -346,6 +351,11 @@ def test_compare_scores_re_computation_on_a_subsample_and_says_so(model_dir, dat
     # Lengths within the trained length (64): logn would change nothing, and the output says it is left out.
     assert "note: logn left out: every length is within the trained length (64)" in out
     assert saved["train_length"] is None and saved["trained_length"] == 64
+    # The plot draws those 16 tokens' perplexities apart, labelled as an estimate, and names the trained length.
+    assert saved["estimates"] == {"re-computation (16; 1 token in 4)": 16}
+    assert saved["length_marks"] == [
+        {"length": 64, "what": "trained length", "source": "config's max_position_embeddings"}
+    ]
 
 
 @pytest.mark.parametrize(
