@@ -32,7 +32,7 @@ from hf_attnscale.streaming.rope import rope_rescales_with_length
 Method = Literal["stream", "dense", "recompute"]
 METHODS = ("stream", "dense", "recompute")
 LOSS_ROWS = 4096
-"""Rows of logits turned into NLL at a time (`_token_nll`)."""
+"""Rows of logits turned into NLL at a time (`_token_scores`)."""
 RECOMPUTE_TOKENS_PER_CALL = 8192
 """Windows re-encoded per call by ``"recompute"``, as a token budget (batching keeps it from being slower
 than it has to be; the work per token is still a full window)."""
@@ -47,12 +47,16 @@ class PerplexityResult:
         method: how it was computed (``"stream"``, ``"dense"`` or ``"recompute"``).
         seconds: wall time of the evaluation.
         details: the settings that produced it (cache size, chunk size, window...).
+        greedy: bool ``(T-1,)``: ``greedy[t]`` is whether token t+1 is the model's top choice there (the
+            argmax of the logits that predicted it: what greedy decoding would have picked; lm-eval's
+            ``is_greedy``); None for a result built without it.
     """
 
     nll: torch.Tensor
     method: str
     seconds: float
     details: dict = field(default_factory=dict)
+    greedy: torch.Tensor | None = None
 
     @property
     def ppl(self) -> float:
@@ -150,9 +154,13 @@ def perplexity(
             disable=None if progress is None else not progress,
         ) as bar,
     ):
-        nll = run(bar)
+        nll, greedy = run(bar)
     return PerplexityResult(
-        nll=nll.float().cpu(), method=method, seconds=time.perf_counter() - start, details=details
+        nll=nll.float().cpu(),
+        method=method,
+        seconds=time.perf_counter() - start,
+        details=details,
+        greedy=greedy.cpu(),
     )
 
 
@@ -165,61 +173,62 @@ def _one_stream(input_ids: torch.Tensor, model: nn.Module) -> torch.Tensor:
     return ids.to(device=run_device(model), dtype=torch.long)
 
 
-def _chunked(model: nn.Module, ids: torch.Tensor, cache, chunk_size: int, bar) -> torch.Tensor:
+Scores = tuple[torch.Tensor, torch.Tensor]
+"""Per-token NLL (float32) and whether each target is the argmax (bool), both ``(T-1,)``."""
+
+
+def _chunked(model: nn.Module, ids: torch.Tensor, cache, chunk_size: int, bar) -> Scores:
     """Feed ``ids[:-1]`` in chunks through ``cache``; the last token is only a target."""
     total = ids.shape[1] - 1
     nll = torch.empty(total, dtype=torch.float32, device=ids.device)
+    greedy = torch.empty(total, dtype=torch.bool, device=ids.device)
     with_cache = {cache_argument(model): cache}
     for start in range(0, total, chunk_size):
         stop = min(start + chunk_size, total)
         logits = model(input_ids=ids[:, start:stop], use_cache=True, **with_cache).logits[0]
-        nll[start:stop] = _token_nll(logits, ids[0, start + 1 : stop + 1])
+        nll[start:stop], greedy[start:stop] = _token_scores(logits, ids[0, start + 1 : stop + 1])
         bar.update(stop - start)
-    return nll
+    return nll, greedy
 
 
-def _one_call(model: nn.Module, ids: torch.Tensor, bar) -> torch.Tensor:
+def _one_call(model: nn.Module, ids: torch.Tensor, bar) -> Scores:
     """The whole stream in one forward, as ``model(ids)`` reads it; the last token's logits are not scored."""
     logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
     bar.update(logits.shape[0])
-    return _token_nll(logits, ids[0, 1:])
+    return _token_scores(logits, ids[0, 1:])
 
 
-def _token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Per-token NLL of ``targets`` under ``logits`` (T, V), a slice of `LOSS_ROWS` rows at a time: a long
-    call's log-softmax never holds more than that."""
-    return torch.cat(
-        [
-            F.cross_entropy(
-                logits[first : first + LOSS_ROWS].float(),
-                targets[first : first + LOSS_ROWS],
-                reduction="none",
-            )
-            for first in range(0, logits.shape[0], LOSS_ROWS)
-        ]
-    )
+def _token_scores(logits: torch.Tensor, targets: torch.Tensor) -> Scores:
+    """Per-token NLL of ``targets`` under ``logits`` (T, V), and whether each target is the argmax, a slice of
+    `LOSS_ROWS` rows at a time: a long call's log-softmax never holds more than that."""
+    nll, greedy = [], []
+    for first in range(0, logits.shape[0], LOSS_ROWS):
+        rows = logits[first : first + LOSS_ROWS].float()
+        wanted = targets[first : first + LOSS_ROWS]
+        nll.append(F.cross_entropy(rows, wanted, reduction="none"))
+        greedy.append(rows.argmax(dim=-1) == wanted)
+    return torch.cat(nll), torch.cat(greedy)
 
 
-def _recompute(model: nn.Module, ids: torch.Tensor, window: int, bar) -> torch.Tensor:
+def _recompute(model: nn.Module, ids: torch.Tensor, window: int, bar) -> Scores:
     """Each token predicted from its last ``window`` tokens, re-encoded from scratch at positions 0..window-1."""
     total = ids.shape[1] - 1
     nll = torch.empty(total, dtype=torch.float32, device=ids.device)
+    greedy = torch.empty(total, dtype=torch.bool, device=ids.device)
     # Tokens 0..window-1 see their whole prefix: one causal call scores them all exactly.
     head = min(window, total)
     logits = model(input_ids=ids[:, :head], use_cache=False).logits
-    nll[:head] = F.cross_entropy(logits[0].float(), ids[0, 1 : head + 1], reduction="none")
+    nll[:head], greedy[:head] = _token_scores(logits[0], ids[0, 1 : head + 1])
     bar.update(head)
     windows = ids[0].unfold(0, window, 1)  # windows[s] = ids[s : s + window]; it predicts ids[s + window]
     per_call = max(1, RECOMPUTE_TOKENS_PER_CALL // window)
     for first in range(1, total - window + 1, per_call):
         last = min(first + per_call, total - window + 1)
         logits = model(input_ids=windows[first:last], use_cache=False, logits_to_keep=1).logits[:, -1]
-        targets = ids[0, first + window : last + window]
-        nll[first + window - 1 : last + window - 1] = F.cross_entropy(
-            logits.float(), targets, reduction="none"
-        )
+        scored = slice(first + window - 1, last + window - 1)
+        nll[scored], greedy[scored] = _token_scores(logits, ids[0, first + window : last + window])
         bar.update(last - first)
-    return nll
+    return nll, greedy
 
 
 def segment_nll(

@@ -58,7 +58,7 @@ from hf_attnscale.evaluation.corpus import builtin_documents
 from hf_attnscale.evaluation.long_texts import joined_documents, kjv_books
 from hf_attnscale.evaluation.mlm import pseudo_log_likelihood
 from hf_attnscale.evaluation.passkey import passkey_prompts
-from hf_attnscale.evaluation.perplexity import perplexity
+from hf_attnscale.evaluation.perplexity import PerplexityResult, perplexity
 from hf_attnscale.evaluation.processes import join_processes
 from hf_attnscale.streaming.cache import SinkCache, cache_settings
 from hf_attnscale.streaming.pos_shift import check_streaming_model
@@ -113,8 +113,10 @@ class HFAttnScaleLM(HFLM):
     runs through the patched model. With ``window`` set, ``loglikelihood_rolling`` (perplexity tasks) streams
     each whole document through a fresh ``SinkCache(sink_tokens, window)`` instead of scoring disjoint
     ``max_length`` windows: every token is predicted from the document's first ``sink_tokens`` tokens plus its
-    last ``window`` tokens, as in StreamingLLM, however long the document. Other request types (multiple
-    choice, generation) stay dense.
+    last ``window`` tokens, as in StreamingLLM, however long the document. ``loglikelihood`` (multiple choice,
+    a question after a long context) streams each context + continuation whole the same way, instead of
+    cutting it to ``max_length`` from the left. ``generate_until`` stays HFLM's, dense: its context is cut
+    from the left to ``max_length`` minus the tokens to generate.
 
     A masked LM (an encoder such as BERT) has no causal likelihood: its perplexity tasks are scored with the
     pseudo-log-likelihood (every token masked alone, in windows of ``max_length``), so ``word_perplexity``
@@ -245,7 +247,7 @@ class HFAttnScaleLM(HFLM):
 
     @property
     def streaming(self) -> bool:
-        """Whether rolling perplexity streams documents through a `SinkCache`."""
+        """Whether rolling perplexity and loglikelihood requests stream through a `SinkCache`."""
         return self.window is not None
 
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
@@ -261,21 +263,21 @@ class HFAttnScaleLM(HFLM):
         for request in tqdm(requests, desc="streaming documents", disable=disable_tqdm or self.rank != 0):
             (text,) = request.args
             # The same tokens lm-eval scores: the document's tokens, the first predicted from the prefix token.
-            ids = torch.tensor([self.prefix_token_id, *self.tok_encode(text)], dtype=torch.long)
-            if ids.numel() < 2:
-                total = 0.0
-            else:
-                nll = perplexity(
-                    self.model,
-                    ids,
-                    cache=SinkCache(self.sink_tokens, self.window),
-                    chunk_size=self.chunk_size,
-                    progress=False,
-                ).nll
-                total = -nll.double().sum().item()
+            ids = [self.prefix_token_id, *self.tok_encode(text)]
+            total = -self._stream(ids).nll.double().sum().item() if len(ids) >= 2 else 0.0
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
             results.append(total)
         return results
+
+    def _stream(self, ids: list[int]) -> PerplexityResult:
+        """Per-token scores of one token sequence (at least 2) streamed through a fresh `SinkCache`."""
+        return perplexity(
+            self.model,
+            torch.tensor(ids, dtype=torch.long),
+            cache=SinkCache(self.sink_tokens, self.window),
+            chunk_size=self.chunk_size,
+            progress=False,
+        )
 
     def _pseudo_log_likelihoods(self, requests: list[Instance], disable_tqdm: bool) -> list[float]:
         if self.tokenizer.mask_token_id is None:
@@ -297,6 +299,36 @@ class HFAttnScaleLM(HFLM):
                 "pseudo-likelihood); multiple-choice loglikelihood needs a causal LM."
             )
         return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+
+    def _loglikelihood_tokens(
+        self,
+        requests: list[tuple[tuple[str, str], list[int], list[int]]],
+        disable_tqdm: bool = False,
+        override_bs: int | None = None,
+    ) -> list[tuple[float, bool]]:
+        """``(log-likelihood of the continuation, whether each of its tokens is the argmax)`` per request.
+
+        ``requests`` are HFLM's ``((context, continuation), context tokens, continuation tokens)``, encoded by
+        HFLM's ``loglikelihood``. Without a ``window``, HFLM scores them (cut to ``max_length`` from the left);
+        with one, each context + continuation is streamed whole through a fresh `SinkCache`, uncut.
+        """
+        if not self.streaming:
+            return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+        results = []
+        bar = tqdm(requests, desc="streaming loglikelihood requests", disable=disable_tqdm or self.rank != 0)
+        for request_str, context_enc, continuation_enc in bar:
+            if not context_enc or not continuation_enc:
+                raise ValueError(
+                    "A loglikelihood request needs context and continuation tokens; got "
+                    f"{len(context_enc)} and {len(continuation_enc)}."
+                )
+            scored = self._stream([*context_enc, *continuation_enc])
+            count = len(continuation_enc)  # the continuation's tokens are the last `count` predicted
+            answer = (-scored.nll[-count:].double().sum().item(), bool(scored.greedy[-count:].all()))
+            if request_str is not None:
+                self.cache_hook.add_partial("loglikelihood", request_str, answer)
+            results.append(answer)
+        return results
 
     def generate_until(self, requests, disable_tqdm: bool = False):
         if self.masked:

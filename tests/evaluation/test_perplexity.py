@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DECODERS, SHARP_VOCAB, sharp_model, tiny_model
+from conftest import DECODERS, SHARP_VOCAB, sharp_model, stream_logits, tiny_model
 from transformers import DynamicCache
 
 import hf_attnscale as hfa
@@ -80,6 +81,32 @@ def test_dense_and_recompute_match_plain_loops():
     torch.testing.assert_close(recompute.nll, loop, atol=1e-5, rtol=0)
     limited = hfa.perplexity(model, ids, max_length=25, progress=False)
     torch.testing.assert_close(limited.nll, full[:24], atol=1e-5, rtol=0)
+
+
+def test_greedy_flags_are_the_argmax_of_the_logits_that_predicted_each_token(monkeypatch):
+    """``PerplexityResult.greedy`` (lm-eval's is_greedy, token by token), every method, against plain calls."""
+    model = hfa.patch(sharp_model("llama"))
+    ids = torch.randint(2, SHARP_VOCAB, (20,))
+    window = 7
+    with torch.no_grad():
+        for _ in range(20):  # then 20 tokens decoded greedily: the flags take both values
+            ids = torch.cat([ids, model(ids[None]).logits[0, -1].argmax().view(1)])
+        dense = model(ids[None]).logits[0, :-1].argmax(-1) == ids[1:]
+        streamed = stream_logits(model, ids[None, :-1], hfa.SinkCache(2, 8), [1])[0].argmax(-1) == ids[1:]
+        recomputed = torch.stack(
+            [
+                model(ids[None, max(0, t - window + 1) : t + 1]).logits[0, -1].argmax() == ids[t + 1]
+                for t in range(39)
+            ]
+        )
+    assert dense[19:].all() and not dense.all()
+    assert not torch.equal(streamed, dense)  # the stream evicted: other tokens are its top choices
+    monkeypatch.setattr(importlib.import_module("hf_attnscale.evaluation.perplexity"), "LOSS_ROWS", 4)
+    assert torch.equal(hfa.perplexity(model, ids, chunk_size=9, progress=False).greedy, dense)
+    stream = hfa.perplexity(model, ids, cache=hfa.SinkCache(2, 8), chunk_size=5, progress=False)
+    assert torch.equal(stream.greedy, streamed)
+    recompute = hfa.perplexity(model, ids, method="recompute", window=window, progress=False)
+    assert torch.equal(recompute.greedy, recomputed)
 
 
 def test_result_summaries():

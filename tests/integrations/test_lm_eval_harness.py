@@ -15,8 +15,10 @@ import torch
 
 lm_eval = pytest.importorskip("lm_eval")
 
-from conftest import tiny_lm_with_tokenizer, tiny_mlm_with_tokenizer  # noqa: E402
+from conftest import stream_logits, tiny_lm_with_tokenizer, tiny_mlm_with_tokenizer  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
+from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 import hf_attnscale as hfa  # noqa: E402
@@ -149,6 +151,106 @@ def test_streaming_scores_whole_documents_through_a_sink_cache(tiny, texts, mana
     dense = evaluate(HFAttnScaleLM(pretrained=model, tokenizer=tokenizer, max_length=longest), manager)
     assert whole["word_perplexity,none"] == pytest.approx(dense["word_perplexity,none"], rel=1e-4)
     assert whole["word_perplexity,none"] != pytest.approx(streamed, rel=1e-3)
+
+
+def loglikelihood_requests(pairs: list[tuple[str, str]]) -> list[Instance]:
+    return [Instance("loglikelihood", {}, pair, idx) for idx, pair in enumerate(pairs)]
+
+
+def encoded(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """A request's tokens as lm-eval's HFLM encodes them (for a context that ends in no space): the context
+    alone, and what encoding context + continuation adds after as many tokens."""
+    assert context == context.rstrip()
+    context_enc = tokenizer(context)["input_ids"]
+    return context_enc, tokenizer(context + continuation)["input_ids"][len(context_enc) :]
+
+
+@pytest.fixture(scope="module")
+def long_pairs(texts) -> list[tuple[str, str]]:
+    """(context, continuation) pairs from the held-out texts: two contexts several times MAX_LENGTH tokens
+    long, and one short enough for any window."""
+    text = texts[2]
+    return [
+        (text[:1100].rstrip(), text[1100:1150]),
+        (text[:700].rstrip(), " x"),
+        (texts[0][:8], texts[0][8:16]),
+    ]
+
+
+def test_a_long_loglikelihood_request_streams_whole_through_a_sink_cache(tiny, long_pairs):
+    model, tokenizer = tiny
+    hfa.unpatch(model)
+    lm = HFAttnScaleLM(
+        pretrained=model, tokenizer=tokenizer, sink_tokens=2, window=14, chunk_size=16, max_length=MAX_LENGTH
+    )
+    results = lm.loglikelihood(loglikelihood_requests(long_pairs))
+    hfa.unpatch(model)
+    dense = HFLM(pretrained=model, tokenizer=tokenizer, max_length=MAX_LENGTH).loglikelihood(
+        loglikelihood_requests(long_pairs)
+    )
+    hfa.patch(model)  # the identity patch, as streaming needs
+    for (context, continuation), (logprob, _), (dense_logprob, _) in zip(long_pairs, results, dense):
+        context_enc, continuation_enc = encoded(tokenizer, context, continuation)
+        ids = torch.tensor([*context_enc, *continuation_enc])
+        nll = hfa.perplexity(model, ids, cache=hfa.SinkCache(2, 14), chunk_size=5, progress=False).nll
+        assert logprob == pytest.approx(-nll[-len(continuation_enc) :].double().sum().item(), abs=1e-4)
+        if len(ids) > MAX_LENGTH + 1:  # lm-eval's dense scoring cuts the context to MAX_LENGTH: not ours
+            assert abs(logprob - dense_logprob) > 1e-2
+        elif len(ids) <= 2 + 14:  # the cache holds it all: the stream sees what the dense model sees
+            assert logprob == pytest.approx(dense_logprob, abs=1e-4)
+    lengths = [sum(map(len, encoded(tokenizer, *pair))) for pair in long_pairs]
+    assert min(lengths[:2]) > 3 * MAX_LENGTH and lengths[2] <= 16
+
+
+def test_a_streamed_request_is_greedy_where_each_continuation_token_is_the_streams_argmax():
+    """The shipped model, a held-out file's first ~800 tokens as context (max_length 64, SinkCache(4, 28)):
+    the stream's own greedy continuation is greedy; the file's real continuation is not. (Cut to the last 64
+    tokens, the dense model would pick another first token: lm-eval's scoring would call the first not greedy.)"""
+    lm = HFAttnScaleLM(
+        pretrained=str(default_model_path()),
+        sink_tokens=4,
+        window=28,
+        max_length=64,
+        dtype="float32",
+        device="cpu",
+    )
+    model, tokenizer = lm.model, lm.tokenizer
+    text = builtin_documents("heldout")[1].text
+    context = text[:2500].rstrip()
+    greedy = []
+    with torch.no_grad():  # decoded greedily, token by token through the cache
+        cache = hfa.SinkCache(4, 28)
+        logits = stream_logits(model, torch.tensor([tokenizer(context)["input_ids"]]), cache, [64])
+        for _ in range(6):
+            greedy.append(logits[0, -1].argmax().item())
+            logits = stream_logits(model, torch.tensor([greedy[-1:]]), cache, [1])
+    pairs = [(context, tokenizer.decode(greedy)), (context, text[len(context) : len(context) + 30])]
+    assert encoded(tokenizer, *pairs[0])[1] == greedy  # the text encodes back to the same tokens
+
+    results = lm.loglikelihood(loglikelihood_requests(pairs))
+    expected = []
+    for pair, (logprob, _) in zip(pairs, results):
+        context_enc, continuation_enc = encoded(tokenizer, *pair)
+        assert len(context_enc) > 10 * 64
+        ids = torch.tensor([[*context_enc, *continuation_enc]])
+        with torch.no_grad():  # the reference: every token fed alone through the cache
+            logits = stream_logits(model, ids[:, :-1], hfa.SinkCache(4, 28), [1])[0]
+        scored = logits[-len(continuation_enc) :]
+        targets = ids[0, -len(continuation_enc) :]
+        expected.append(bool((scored.argmax(-1) == targets).all()))
+        reference = -torch.nn.functional.cross_entropy(scored, targets, reduction="sum").item()
+        assert logprob == pytest.approx(reference, abs=1e-4)
+    assert [is_greedy for _, is_greedy in results] == expected == [True, False]
+
+
+def test_without_a_window_loglikelihood_is_lm_evals_own(tiny, long_pairs):
+    model, tokenizer = tiny
+    hfa.unpatch(model)
+    requests = loglikelihood_requests(long_pairs)
+    ours = HFAttnScaleLM(pretrained=model, tokenizer=tokenizer, max_length=MAX_LENGTH, batch_size=2)
+    assert not ours.streaming and hfa.get_config(model) is None
+    theirs = HFLM(pretrained=model, tokenizer=tokenizer, max_length=MAX_LENGTH, batch_size=2)
+    assert ours.loglikelihood(requests) == theirs.loglikelihood(requests)
 
 
 def test_bad_options_fail_before_loading():
