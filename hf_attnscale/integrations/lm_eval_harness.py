@@ -402,7 +402,7 @@ def builtin_dataset(
             if len(offsets) >= min_tokens
         ]
         names, texts = [n for n, _ in kept], [t for _, t in kept]
-    return datasets.DatasetDict({"test": datasets.Dataset.from_dict({"name": names, "text": texts})})
+    return _test_split({"name": names, "text": texts})
 
 
 def long_dataset(text: str = "kjv", min_tokens: int = 32768, **_runtime_metadata: Any):
@@ -424,7 +424,7 @@ def long_dataset(text: str = "kjv", min_tokens: int = 32768, **_runtime_metadata
     else:
         raise ValueError(f"Unknown long text {text!r}; valid: 'kjv', 'stdlib'.")
     columns = {"name": [d.name for d in documents], "text": [d.text for d in documents]}
-    return datasets.DatasetDict({"test": datasets.Dataset.from_dict(columns)})
+    return _test_split(columns)
 
 
 def passkey_dataset(
@@ -443,7 +443,7 @@ def passkey_dataset(
     tokenizer = AutoTokenizer.from_pretrained(source)
     prompts = passkey_prompts(tokenizer, lengths, depths, per_cell, seed)
     columns = {field: [getattr(p, field) for p in prompts] for field in ("context", "key", "length", "depth")}
-    return datasets.DatasetDict({"test": datasets.Dataset.from_dict(columns)})
+    return _test_split(columns)
 
 
 def passkey_results(doc: dict, results: list) -> dict[str, Any]:
@@ -460,6 +460,11 @@ def mean_present(values: Sequence[float | None]) -> float:
     """The mean of the values that are not None (a per-depth metric is None on prompts of other depths)."""
     present = [v for v in values if v is not None]
     return sum(present) / len(present) if present else float("nan")
+
+
+def _test_split(columns: dict[str, list]) -> datasets.DatasetDict:
+    """``columns`` as the one ``test`` split the built-in task YAMLs read (``test_split: test``)."""
+    return datasets.DatasetDict({"test": datasets.Dataset.from_dict(columns)})
 
 
 def _start_cpu_processes() -> Accelerator | None:
