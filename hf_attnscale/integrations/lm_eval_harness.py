@@ -21,6 +21,7 @@ import difflib
 import inspect
 import re
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,11 @@ import datasets
 import torch
 from accelerate import Accelerator
 from lm_eval.api.instance import Instance
+from lm_eval.api.metrics import weighted_perplexity
 from lm_eval.api.registry import MODEL_REGISTRY, register_model
+from lm_eval.api.task import ConfigurableTask
 from lm_eval.models.huggingface import HFLM
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
@@ -59,6 +63,7 @@ from hf_attnscale.evaluation.long_texts import joined_documents, kjv_books
 from hf_attnscale.evaluation.mlm import pseudo_log_likelihood
 from hf_attnscale.evaluation.passkey import passkey_prompts
 from hf_attnscale.evaluation.perplexity import PerplexityResult, perplexity
+from hf_attnscale.evaluation.positions import bucket_sums, position_buckets as read_buckets
 from hf_attnscale.evaluation.processes import join_processes
 from hf_attnscale.streaming.cache import SinkCache, cache_settings
 from hf_attnscale.streaming.pos_shift import check_streaming_model
@@ -134,9 +139,11 @@ class HFAttnScaleLM(HFLM):
             command line (`hf_attnscale.core.config.default_train_length`).
         sink_tokens: sink tokens of the streaming cache (default with ``window``: SinkCache's; 0: window-only).
         window: recent tokens each query sees while streaming; None (default) keeps lm-eval's windows.
-        chunk_size: tokens per model call while streaming (memory only; results do not depend on it).
+        chunk_size: tokens per model call, streamed or dense (memory only; results do not depend on it).
         gguf_file: a GGUF file in the ``pretrained`` folder or Hub repo (or a path to one), loaded de-quantised
             to a plain model (`hf_attnscale.from_pretrained`).
+        position_buckets: the edges of the perplexity tasks' position buckets, ``"2048;4096;8192"``
+            (`PositionPerplexityTask`; lm-eval hands model_args to the tasks as metadata). Checked here only.
         **kwargs: everything ``HFLM`` takes (``max_length``, ``dtype``, ``device``, ``batch_size``...), and,
             through it, what transformers' ``from_pretrained`` takes (``attn_implementation``, a config field).
 
@@ -154,10 +161,12 @@ class HFAttnScaleLM(HFLM):
         window: int | None = None,
         chunk_size: int = 512,
         gguf_file: str | None = None,
+        position_buckets: Any = None,
         **kwargs: Any,
     ) -> None:
         # Validate everything before the model loads, which can take minutes: each error is one line.
         try:
+            read_buckets(_as_written(position_buckets))  # read by the tasks, from their metadata
             config, pretrained, gguf_file = self._check_model_args(
                 pretrained, sink_tokens, window, chunk_size, gguf_file, kwargs
             )
@@ -251,30 +260,47 @@ class HFAttnScaleLM(HFLM):
         return self.window is not None
 
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
-        """Log-likelihood of each whole document: streamed with a ``window``, else lm-eval's windows.
+        """Log-likelihood of each whole document, as a `DocumentLogLikelihood` (a float that also carries each
+        token's NLL, for perplexity by position).
 
-        For a masked LM: the pseudo-log-likelihood, in windows of ``max_length``.
+        With a ``window``, each document streams whole through a fresh `SinkCache`; without one, it is read in
+        lm-eval's own rolling windows of ``max_length`` (one window, the whole document, when it fits), each
+        read densely. For a masked LM: the pseudo-log-likelihood, in windows of ``max_length``.
         """
         if self.masked:
             return self._pseudo_log_likelihoods(requests, disable_tqdm)
-        if not self.streaming:
-            return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
         results = []
-        for request in tqdm(requests, desc="streaming documents", disable=disable_tqdm or self.rank != 0):
+        desc = "streaming documents" if self.streaming else "scoring documents"
+        for request in tqdm(requests, desc=desc, disable=disable_tqdm or self.rank != 0):
             (text,) = request.args
-            # The same tokens lm-eval scores: the document's tokens, the first predicted from the prefix token.
-            ids = [self.prefix_token_id, *self.tok_encode(text)]
-            total = -self._stream(ids).nll.double().sum().item() if len(ids) >= 2 else 0.0
-            self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
-            results.append(total)
+            score = DocumentLogLikelihood(self._document_nll(self.tok_encode(text)))
+            self.cache_hook.add_partial("loglikelihood_rolling", (text,), score)
+            results.append(score)
         return results
 
-    def _stream(self, ids: list[int]) -> PerplexityResult:
-        """Per-token scores of one token sequence (at least 2) streamed through a fresh `SinkCache`."""
+    def _document_nll(self, tokens: list[int]) -> torch.Tensor:
+        """Each of ``tokens``' NLL, the first predicted from the prefix token, as lm-eval's rolling
+        perplexity scores them: streamed with a ``window``, else in lm-eval's disjoint windows of
+        ``max_length`` (`lm_eval.utils.get_rolling_token_windows`, as HFLM reads them)."""
+        if not tokens:
+            return torch.zeros(0)
+        if self.streaming:
+            return self._score([self.prefix_token_id, *tokens]).nll
+        windows = get_rolling_token_windows(
+            token_list=tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length, context_len=1
+        )
+        pieces = []
+        for context, predicted in map(make_disjoint_window, windows):
+            pieces.append(self._score([*context, *predicted]).nll[-len(predicted) :])
+        return torch.cat(pieces)
+
+    def _score(self, ids: list[int]) -> PerplexityResult:
+        """Per-token scores of one token sequence (at least 2): streamed through a fresh `SinkCache` with a
+        ``window``, else read densely (`hf_attnscale.perplexity`, ``chunk_size`` tokens per call)."""
         return perplexity(
             self.model,
             torch.tensor(ids, dtype=torch.long),
-            cache=SinkCache(self.sink_tokens, self.window),
+            cache=SinkCache(self.sink_tokens, self.window) if self.streaming else None,
             chunk_size=self.chunk_size,
             progress=False,
         )
@@ -322,7 +348,7 @@ class HFAttnScaleLM(HFLM):
                     "A loglikelihood request needs context and continuation tokens; got "
                     f"{len(context_enc)} and {len(continuation_enc)}."
                 )
-            scored = self._stream([*context_enc, *continuation_enc])
+            scored = self._score([*context_enc, *continuation_enc])
             count = len(continuation_enc)  # the continuation's tokens are the last `count` predicted
             answer = (-scored.nll[-count:].double().sum().item(), bool(scored.greedy[-count:].all()))
             if request_str is not None:
@@ -344,6 +370,64 @@ class HFAttnScaleLM(HFLM):
             "window": self.window,
         }
         return info
+
+
+class DocumentLogLikelihood(float):
+    """A document's log-likelihood (the float lm-eval sums into its perplexities) that also carries ``nll``,
+    each of its tokens' negative log-likelihood (float32, the document's first token first), from which
+    `PositionPerplexityTask` reports perplexity by position."""
+
+    nll: torch.Tensor
+
+    def __new__(cls, nll: torch.Tensor) -> DocumentLogLikelihood:
+        score = super().__new__(cls, -nll.double().sum().item())
+        score.nll = nll.detach().float().cpu()
+        return score
+
+    def __reduce__(self) -> tuple:
+        return DocumentLogLikelihood, (self.nll,)
+
+
+class PositionPerplexityTask(ConfigurableTask):
+    """A perplexity task (``loglikelihood_rolling``) that also reports perplexity by token position.
+
+    One ``ppl_<bucket>`` metric per position bucket (``ppl_0-2k``, ``ppl_2k-4k``... ``ppl_32k+``): lm-eval's
+    weighted perplexity over every document's tokens at those positions, each token predicted as the model
+    type reads the document (streamed whole with ``window=``; else in windows of ``max_length``, the whole
+    document when it fits). A bucket no document reaches is not reported. The edges come from the metadata's
+    ``position_buckets`` (the task YAML's ``metadata``, lm-eval's ``--metadata``, or ``--model_args``, which
+    lm-eval passes to tasks as metadata), else `hf_attnscale.evaluation.positions.DEFAULT_EDGES`.
+
+    Named in a task YAML as ``class: !function hfa_builtin.PositionPerplexityTask``. The per-token scores come
+    from the ``hf-attnscale`` model type; under another model type the position metrics are left out, with a
+    warning.
+    """
+
+    def __init__(self, config: dict | None = None) -> None:
+        super().__init__(config={key: value for key, value in (config or {}).items() if key != "class"})
+        self.buckets = read_buckets(_as_written((self.config.metadata or {}).get("position_buckets")))
+        for bucket in self.buckets:
+            self._aggregation_list[bucket.metric] = weighted_perplexity
+            self._higher_is_better[bucket.metric] = False
+        self._warned = False
+
+    def process_results(self, doc: dict, results: list) -> dict[str, Any]:
+        metrics = super().process_results(doc, results)
+        nll = getattr(results[0], "nll", None)
+        if nll is None:
+            if not self._warned:
+                warnings.warn(
+                    f"{self.config.task}: perplexity by position needs per-token scores, which the "
+                    f"{MODEL_TYPE!r} model type gives; this model type gives one number per document, so the "
+                    "ppl_* metrics are left out.",
+                    stacklevel=2,
+                )
+                self._warned = True
+            return metrics
+        for bucket, (total, count) in zip(self.buckets, bucket_sums(nll, self.buckets)):
+            if count:
+                metrics[bucket.metric] = (-total, count)
+        return metrics
 
 
 _OWN_KEYS = tuple(
@@ -405,7 +489,13 @@ def builtin_dataset(
     return _test_split({"name": names, "text": texts})
 
 
-def long_dataset(text: str = "kjv", min_tokens: int = 32768, **_runtime_metadata: Any):
+def long_dataset(
+    text: str = "kjv",
+    min_tokens: int = 32768,
+    first_tokens: int | None = None,
+    pretrained: str | None = None,
+    **_runtime_metadata: Any,
+):
     """Long documents for reading past a real model's trained length, as a ``datasets.DatasetDict`` with one
     ``test`` split (fields name, text), for the ``hfa_kjv_books`` and ``hfa_stdlib_32k`` task YAMLs.
 
@@ -414,7 +504,10 @@ def long_dataset(text: str = "kjv", min_tokens: int = 32768, **_runtime_metadata
             `hf_attnscale.evaluation.long_texts`); or ``"stdlib"``, the held-out stdlib files joined in name
             order into documents of at least ``min_tokens`` tokens of the shipped tokenizer.
         min_tokens: with ``"stdlib"``, the joined documents' least length.
-        **_runtime_metadata: lm-eval passes its model_args and metadata here too; they are ignored.
+        first_tokens: cut each document to the text of its first ``first_tokens`` tokens of the evaluated
+            model's tokenizer (``pretrained``, from ``--model_args``; else the shipped model's), for a shorter
+            run (``--metadata '{"first_tokens": 32768}'``).
+        **_runtime_metadata: lm-eval passes its model_args and metadata here too; the others are ignored.
     """
     if text == "kjv":
         documents = kjv_books()
@@ -423,8 +516,13 @@ def long_dataset(text: str = "kjv", min_tokens: int = 32768, **_runtime_metadata
         documents = joined_documents(builtin_documents("heldout"), tokenizer, min_tokens)
     else:
         raise ValueError(f"Unknown long text {text!r}; valid: 'kjv', 'stdlib'.")
-    columns = {"name": [d.name for d in documents], "text": [d.text for d in documents]}
-    return _test_split(columns)
+    names, texts = [d.name for d in documents], [d.text for d in documents]
+    if first_tokens is not None:
+        first_tokens = check_int("first_tokens", first_tokens, 1)
+        tokenizer = AutoTokenizer.from_pretrained(_tokenizer_source(pretrained))
+        encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+        texts = [t[: offsets[:first_tokens][-1][1]] for t, offsets in zip(texts, encoded["offset_mapping"])]
+    return _test_split({"name": names, "text": texts})
 
 
 def passkey_dataset(
@@ -439,8 +537,7 @@ def passkey_dataset(
     split (fields context, key, length, depth), for the ``hfa_passkey_*`` task YAMLs. Sized in the tokens of the
     evaluated model's tokenizer (``pretrained``, which lm-eval passes from ``--model_args``), else the shipped
     model's."""
-    source = resolve_model_path(pretrained, progress=False) if pretrained else str(default_model_path())
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer = AutoTokenizer.from_pretrained(_tokenizer_source(pretrained))
     prompts = passkey_prompts(tokenizer, lengths, depths, per_cell, seed)
     columns = {field: [getattr(p, field) for p in prompts] for field in ("context", "key", "length", "depth")}
     return _test_split(columns)
@@ -460,6 +557,11 @@ def mean_present(values: Sequence[float | None]) -> float:
     """The mean of the values that are not None (a per-depth metric is None on prompts of other depths)."""
     present = [v for v in values if v is not None]
     return sum(present) / len(present) if present else float("nan")
+
+
+def _tokenizer_source(pretrained: str | None) -> str:
+    """Where the evaluated model's tokenizer is (``pretrained`` from model_args), else the shipped model's."""
+    return resolve_model_path(pretrained, progress=False) if pretrained else str(default_model_path())
 
 
 def _test_split(columns: dict[str, list]) -> datasets.DatasetDict:

@@ -7,6 +7,7 @@ Python's standard library sources, so the tasks need no data file, no absolute p
 """
 
 from hf_attnscale.integrations.lm_eval_harness import (
+    PositionPerplexityTask,
     builtin_dataset,
     long_dataset,
     mean_present,
@@ -14,4 +15,11 @@ from hf_attnscale.integrations.lm_eval_harness import (
     passkey_results,
 )
 
-__all__ = ["builtin_dataset", "long_dataset", "mean_present", "passkey_dataset", "passkey_results"]
+__all__ = [
+    "PositionPerplexityTask",
+    "builtin_dataset",
+    "long_dataset",
+    "mean_present",
+    "passkey_dataset",
+    "passkey_results",
+]
