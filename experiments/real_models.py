@@ -16,6 +16,7 @@ Sections (`real/`):
   dense      dense past the trained length: unchanged, logn, dynamic NTK, YaRN, and logn on each (Qwen's table);
   outliers   sink heads, kurtosis and the largest activations, and what W8A8 costs with and without the sinks;
   finetune   an exit fine-tuned into SmolLM2 with LoRA (learnable sink, zero_kv, neither): does it replace sinks?
+  recall     lm-eval past the trained length: perplexity by position and passkey retrieval, 8 methods;
   retrofit   Bondarenko et al.'s Table 2 as a retrofit: every cure (exits, clipped softmax, gates) fine-tuned in
 """
 
@@ -27,7 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from real import dense, finetune, million, outliers, retrofit, streams
+from real import dense, finetune, million, outliers, recall, retrofit, streams
 from real.context import TRAINED_LENGTH, Context
 from real.texts import TEXTS
 
@@ -42,6 +43,7 @@ SECTIONS: dict[str, Callable[[Context], str]] = {
     "outliers": outliers.run,
     "finetune": finetune.run,
     "retrofit": retrofit.run,
+    "recall": recall.run,
 }
 
 
