@@ -53,6 +53,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         required=True,
         help="evaluation lengths in tokens, each dividing the longest, e.g. 1k,2k,4k,8k",
     )
+    parser.add_argument(
+        "--position-buckets",
+        type=lengths_type,
+        help="edges of the position buckets for perplexity by position within the longest segments, e.g. "
+        "2k,4k (default: the shorter lengths)",
+    )
     add_patch_arguments(parser, PATCH_TITLE)
     stream_group = parser.add_argument_group("streaming (StreamingLLM SinkCache)")
     stream_group.add_argument(
@@ -83,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     settings = _stream_settings(args)
+    positions = _position_edges(args)
     docs = documents(args.data, args.text_field)  # data errors are cheaper to find than a download
     join_processes()  # under torchrun / accelerate launch: each process reads its share of the documents
     rank, world = process_share()
@@ -113,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
     variants = [Variant("unpatched"), variant] if args.baseline and variant.patch is not None else [variant]
     train_length = trained_length(args, model)
     if measure == "mlm":
+        if args.position_buckets:
+            raise CommandError("--position-buckets is for perplexity (causal LMs); MLM measures have none.")
         result = _run_mlm_sweep(args, model, tokenizer, docs, variants, train_length)
     else:
         result = run_sweep(
@@ -124,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
             train_length=train_length,
             max_documents=args.max_documents,
             on_variant=(lambda *_: None) if rank else None,
+            positions=positions,
         )
     if rank:
         return 0
@@ -157,6 +167,17 @@ def describe(options: dict[str, Any], sink_tokens: int, window: int | None) -> s
 
         parts.append(cache_label(sink_tokens, window))
     return " + ".join(parts) or "unpatched"
+
+
+def _position_edges(args: argparse.Namespace) -> list[int] | None:
+    """The position buckets' edges: ``--position-buckets``, else the lengths below the longest (None: one
+    length, nothing to split)."""
+    edges = args.position_buckets or sorted(set(args.lengths))[:-1]
+    if edges and max(edges) >= max(args.lengths):
+        raise CommandError(
+            f"--position-buckets must lie below the longest length ({max(args.lengths)}); got {max(edges)}."
+        )
+    return edges or None
 
 
 def _stream_settings(args: argparse.Namespace) -> tuple[int, int] | None:

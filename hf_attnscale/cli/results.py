@@ -51,9 +51,10 @@ def run_sweep(
     train_length: int | None,
     max_documents: int | None,
     on_variant: OnVariant | None = None,
+    positions: Sequence[int] | None = None,
 ) -> SweepResult:
     """`hf_attnscale.evaluation.sweep.sweep` on the documents, its rows printed as they come (by `row_printer`
-    unless ``on_variant`` is given)."""
+    unless ``on_variant`` is given); with ``positions``, perplexity by position too."""
     from hf_attnscale.evaluation.sweep import sweep
 
     return sweep(
@@ -68,6 +69,7 @@ def run_sweep(
         bos_id=documents.bos_id,
         progress=args.progress,
         on_variant=on_variant or row_printer(lengths, train_length, "perplexity"),
+        positions=positions,
     )
 
 
@@ -109,6 +111,13 @@ def write_results(
     seconds = time.perf_counter() - started
     result.marks = list(marks)
     result.info.update(info, command=shlex.join(["hf-attnscale", *args.argv]), wall_seconds=seconds)
+    if result.positions is not None:
+        longest = max(result.lengths)
+        print(
+            f"\nPerplexity by position within the {longest}-token segments (each read from its start):\n\n"
+            f"{result.positions.table()}",
+            flush=True,
+        )
     json_path = result.write_json(args.out / "results.json")
     png_path = result.plot(args.out / "ppl_vs_length.png", title=title)
     print(f"\nwrote {json_path} and {png_path} in {seconds:.0f} s")

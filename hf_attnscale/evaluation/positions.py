@@ -8,7 +8,6 @@ column per bucket.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -69,29 +68,19 @@ def position_buckets(edges: Iterable[int] | str | int | None = None) -> tuple[Po
 
 
 def bucket_sums(
-    nll: torch.Tensor | Sequence[float], buckets: Sequence[PositionBucket]
+    nll: torch.Tensor | Sequence[float], buckets: Sequence[PositionBucket], first_position: int = 0
 ) -> list[tuple[float, int]]:
     """``(summed NLL, token count)`` of each bucket over one document's per-token NLL (``nll[i]``: the NLL of
-    the token at position i), in float64; ``(0.0, 0)`` for a bucket the document does not reach."""
+    the token at position ``first_position + i``), in float64; ``(0.0, 0)`` for a bucket the document does
+    not reach."""
     values = torch.as_tensor(nll, dtype=torch.float64).flatten()
     sums = []
     for bucket in buckets:
-        part = values[bucket.start : bucket.end]
+        start = max(bucket.start - first_position, 0)
+        end = None if bucket.end is None else max(bucket.end - first_position, 0)
+        part = values[start:end]
         sums.append((part.sum().item(), part.numel()))
     return sums
-
-
-def bucket_perplexities(
-    documents: Iterable[torch.Tensor | Sequence[float]], buckets: Sequence[PositionBucket]
-) -> list[float]:
-    """Perplexity of each bucket over all ``documents``' tokens in it (``exp`` of their mean NLL: lm-eval's
-    ``weighted_perplexity``); NaN for a bucket no document reaches."""
-    totals = [[0.0, 0] for _ in buckets]
-    for nll in documents:
-        for total, (summed, count) in zip(totals, bucket_sums(nll, buckets)):
-            total[0] += summed
-            total[1] += count
-    return [math.exp(summed / count) if count else math.nan for summed, count in totals]
 
 
 def _short(tokens: int) -> str:

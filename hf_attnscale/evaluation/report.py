@@ -95,6 +95,28 @@ class SweepRow:
     accuracy: float | None = None
 
 
+@dataclass(frozen=True)
+class PositionTable:
+    """Perplexity by position within a sweep's longest segments (each read from its start): the buckets'
+    labels (``"0-1k"``...) and first positions, and each variant's perplexity per bucket."""
+
+    buckets: list[str]
+    starts: list[int]
+    ppl: dict[str, list[float]]
+
+    def table(self) -> str:
+        """A Markdown table: one row per variant, one column per position bucket."""
+        header = ["variant", *[f"positions {b}" for b in self.buckets]]
+        lines = [
+            "| " + " | ".join(header) + " |",
+            "|" + "|".join(["---"] + ["---:"] * len(self.buckets)) + "|",
+        ]
+        lines += [
+            "| " + " | ".join([name, *[f"{p:.2f}" for p in ppl]]) + " |" for name, ppl in self.ppl.items()
+        ]
+        return "\n".join(lines)
+
+
 @dataclass
 class SweepResult:
     """Rows of a sweep plus what produced them; `table`, `write_json` and `plot` present them."""
@@ -116,6 +138,9 @@ class SweepResult:
     estimates: dict[str, int] = field(default_factory=dict)
     """Variants whose perplexities are estimates from few tokens: name -> the tokens scored. The plot draws
     them dotted with hollow markers and labels them as estimates."""
+    positions: PositionTable | None = None
+    """Perplexity by position within the longest length's segments, if the sweep was asked for it; the plot
+    draws it in a second panel."""
 
     def ppl(self, variant: str, length: int) -> float:
         """The perplexity of ``variant`` at ``length``."""
@@ -153,6 +178,7 @@ class SweepResult:
             "seconds": self.seconds,
             "length_marks": [asdict(m) for m in self.plot_marks()],
             "estimates": self.estimates,
+            "positions": None if self.positions is None else asdict(self.positions),
             **self.info,
         }
 
@@ -180,20 +206,12 @@ class SweepResult:
         from matplotlib.lines import Line2D
         from matplotlib.ticker import FixedLocator, LogLocator, NullLocator, ScalarFormatter
 
-        fig = Figure(figsize=(7.5, 4.8), dpi=120, layout="constrained")
+        panels = 1 if self.positions is None else 2
+        fig = Figure(figsize=(7.5 * panels, 4.8), dpi=120, layout="constrained")
         FigureCanvasAgg(fig)
-        ax = fig.add_subplot()
-        markers = "osD^vP*X"
+        ax, *by_position = fig.subplots(1, panels, squeeze=False).flat
         for i, variant in enumerate(self.variants):
-            style: dict[str, Any] = {
-                "marker": markers[i % len(markers)],
-                # Variants that coincide (all of them at 1x) would hide each other: later lines are drawn
-                # thinner with smaller markers, so the earlier ones still show around them.
-                "markersize": max(4.0, 9.0 - 0.8 * i),
-                "linewidth": max(1.2, 2.6 - 0.25 * i),
-                "linestyle": "--" if variant.streaming else "-",
-                "label": variant.name,
-            }
+            style = variant_style(i, variant)
             tokens = self.estimates.get(variant.name)
             if tokens is not None:  # a noisy estimate must not read as a measurement like the others
                 style.update(
@@ -256,7 +274,43 @@ class SweepResult:
             side = "past" if mark.length > max(self.lengths) else "below"
             labels.append(f"{mark.label}: {side} the lengths shown")
         place_legend(ax, handles, labels)
+        if by_position:
+            self._draw_positions(by_position[0], [line.get_color() for line in ax.get_lines()])
         return fig
+
+    def _draw_positions(self, ax: Axes, colours: list[str]) -> None:
+        """Perplexity by position bucket within the longest segments, a line per variant in its colour and
+        style; the trained length drawn where it is a bucket edge."""
+        from matplotlib.ticker import FixedLocator
+
+        positions = self.positions
+        x = range(len(positions.buckets))
+        for i, (variant, colour) in enumerate(zip(self.variants, colours)):
+            ax.plot(x, positions.ppl[variant.name], color=colour, **variant_style(i, variant))
+        if self.train_length in positions.starts[1:]:  # the buckets from here on are past it
+            boundary = positions.starts.index(self.train_length) - 0.5
+            what = next((m.what for m in self.plot_marks() if m.length == self.train_length), TRAINED)
+            ax.axvline(boundary, color="0.35", linestyle=":", linewidth=1.3)
+            ax.text(
+                boundary + 0.05,
+                0.98,
+                f"past the {what}",
+                va="top",
+                transform=ax.get_xaxis_transform(),
+                fontsize=8,
+                color="0.35",
+            )
+        ax.xaxis.set_major_locator(FixedLocator(list(x)))
+        ax.set_xticklabels(positions.buckets)
+        values = [v for ppl in positions.ppl.values() for v in ppl if math.isfinite(v)]
+        if values and max(values) / min(values) > 4:
+            ax.set_yscale("log")
+        ax.set_xlabel(
+            f"position in the {max(self.lengths):,}-token segments (tokens before the predicted one)"
+        )
+        ax.set_ylabel("perplexity (lower is better)")
+        ax.set_title("By position, within the longest segments")
+        ax.grid(True, which="major", alpha=0.3)
 
     def plot(self, path: str | Path, title: str | None = None) -> Path:
         """Write `figure` as a PNG to ``path`` (parent directories are created)."""
@@ -265,6 +319,20 @@ class SweepResult:
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path)
         return path
+
+
+def variant_style(index: int, variant: Variant) -> dict[str, Any]:
+    """How the ``index``-th variant's line is drawn: its marker; dashed if streamed. Variants that coincide
+    (all of them at 1x) would hide each other: later lines are drawn thinner with smaller markers, so the
+    earlier ones still show around them."""
+    markers = "osD^vP*X"
+    return {
+        "marker": markers[index % len(markers)],
+        "markersize": max(4.0, 9.0 - 0.8 * index),
+        "linewidth": max(1.2, 2.6 - 0.25 * index),
+        "linestyle": "--" if variant.streaming else "-",
+        "label": variant.name,
+    }
 
 
 def split_marks(

@@ -39,8 +39,9 @@ from hf_attnscale.core.validation import as_int, check_int
 from hf_attnscale.streaming.pos_shift import check_streaming_model
 
 from .perplexity import segment_nll
+from .positions import bucket_sums, position_buckets
 from .processes import process_share, summed_across_processes
-from .report import SweepResult, SweepRow, rows_from_sums, versions
+from .report import PositionTable, SweepResult, SweepRow, rows_from_sums, versions
 from .variants import Variant
 
 OnVariant = Callable[[Variant, list[SweepRow], float], None]
@@ -60,6 +61,7 @@ def sweep(
     bos_id: int | None = None,
     progress: bool | None = None,
     on_variant: OnVariant | None = None,
+    positions: Sequence[int] | None = None,
 ) -> SweepResult:
     """Perplexity of each variant at each length over tokenized documents (definition: module docstring).
 
@@ -77,28 +79,53 @@ def sweep(
             aside and every segment is read behind it, all its tokens scored (see the module docstring).
         progress: tqdm bars (None: only on a terminal).
         on_variant: called with each variant's rows and seconds as soon as it is done (for live output).
+        positions: edges of position buckets (`hf_attnscale.evaluation.positions`), each below ``max(lengths)``:
+            the result also holds perplexity by position within the longest length's segments (each read from
+            its start, so position p is predicted from the p tokens before it). None: not computed.
 
     Raises:
         ValueError: bad lengths or variants, or no document of at least ``max(lengths)`` tokens.
     """
     lengths = check_lengths(lengths)
     check_variants(variants)
+    buckets = ()
+    if positions is not None:
+        if max(positions, default=0) >= lengths[-1]:
+            raise ValueError(
+                f"Position buckets must lie within the longest length ({lengths[-1]} tokens); got edges "
+                f"{list(positions)}."
+            )
+        buckets = position_buckets([*positions, lengths[-1]])[:-1]  # the last ends with the segments
     chosen = sweep_documents(documents, lengths[-1], names, max_documents, bos_id)
     _check_model_runs(model, variants)
-    return run_variants(
+    by_position: dict[str, list[float]] = {}
+
+    def score(variant: Variant) -> list[SweepRow]:
+        rows, by_position[variant.name] = _score_variant(
+            model, variant, chosen, lengths, chunk_size, bos_id, progress, buckets
+        )
+        return rows
+
+    result = run_variants(
         model,
         variants,
-        lambda variant: _score_variant(model, variant, chosen, lengths, chunk_size, bos_id, progress),
+        score,
         lengths=lengths,
         documents=chosen,
         train_length=train_length,
         info={"chunk_size": chunk_size, "bos_id": bos_id},
         on_variant=on_variant,
     )
+    if buckets:
+        result.positions = PositionTable([b.label for b in buckets], [b.start for b in buckets], by_position)
+    return result
 
 
-def _score_variant(model, variant, chosen, lengths, chunk_size, bos_id, progress) -> list[SweepRow]:
-    """One variant's rows: the token-weighted NLL of every segment of every document, at each length.
+def _score_variant(
+    model, variant, chosen, lengths, chunk_size, bos_id, progress, buckets
+) -> tuple[list[SweepRow], list[float]]:
+    """One variant's rows: the token-weighted NLL of every segment of every document, at each length; and
+    the perplexity of each position bucket within the longest length's segments.
 
     Under a torch.distributed process group (``torchrun``) each process reads every ``world``-th document and
     the sums are added up across processes: every process returns the rows of all the documents.
@@ -106,6 +133,9 @@ def _score_variant(model, variant, chosen, lengths, chunk_size, bos_id, progress
     longest = lengths[-1]
     nll_sum = dict.fromkeys(lengths, 0.0)
     counts = dict.fromkeys(lengths, 0)
+    bucket_nll = [0.0] * len(buckets)
+    bucket_counts = [0] * len(buckets)
+    first_position = 0 if bos_id is not None else 1  # without BOS a segment's first token is not predicted
     rank, world = process_share()
     share = chosen[rank::world]
     total = len(share) * sum(longest - (0 if bos_id is not None else longest // n) for n in lengths)
@@ -121,11 +151,20 @@ def _score_variant(model, variant, chosen, lengths, chunk_size, bos_id, progress
                     nll_sum[length] += nll.double().sum().item()
                     counts[length] += nll.numel()
                     bar.update(nll.numel())
+                    if length == longest:
+                        for i, (summed, count) in enumerate(bucket_sums(nll, buckets, first_position)):
+                            bucket_nll[i] += summed
+                            bucket_counts[i] += count
             bar.set_postfix(ppl=f"{math.exp(nll_sum[longest] / counts[longest]):.2f}")
-    summed = summed_across_processes([*nll_sum.values(), *counts.values()])
-    nll_sum = dict(zip(lengths, summed[: len(lengths)]))
-    counts = {n: int(c) for n, c in zip(lengths, summed[len(lengths) :])}
-    return rows_from_sums(variant.name, nll_sum, counts, len(chosen))
+    summed = summed_across_processes([*nll_sum.values(), *counts.values(), *bucket_nll, *bucket_counts])
+    n, b = len(lengths), len(buckets)
+    nll_sum = dict(zip(lengths, summed[:n]))
+    counts = {length: int(c) for length, c in zip(lengths, summed[n : 2 * n])}
+    by_position = [
+        math.exp(total / count) if count else math.nan
+        for total, count in zip(summed[2 * n : 2 * n + b], summed[2 * n + b :])
+    ]
+    return rows_from_sums(variant.name, nll_sum, counts, len(chosen)), by_position
 
 
 def check_lengths(lengths: Sequence[int]) -> list[int]:

@@ -76,6 +76,12 @@ def test_eval_writes_table_json_and_plot(model_dir, data_file, tmp_path, capsys)
         {"length": 64, "what": "trained length", "source": "config's max_position_embeddings"},
         {"length": 16, "what": "L of the patch", "source": "--train-length"},
     ]
+    # Perplexity by position within the 64-token segments, at the shorter lengths by default: the first 16
+    # positions are read alike; the table is printed and saved.
+    assert "| variant | positions 0-16 | positions 16-32 | positions 32-64 |" in out
+    by_position = saved["positions"]["ppl"]
+    assert by_position[name][0] == pytest.approx(by_position["unpatched"][0], rel=1e-5)
+    assert by_position[name][2] != pytest.approx(by_position["unpatched"][2], rel=1e-4)
 
 
 @pytest.mark.parametrize("command", ["eval", "diagnose"])
@@ -106,6 +112,10 @@ def test_a_scale_without_train_length_takes_the_models_as_compare_does(
         (["--sink-tokens", "4"], r"--sink-tokens needs --window W"),
         (["--zero-kv", "--sink-logit", "1.0"], r"zero_kv=True cannot be combined with a sink logit"),
         (["--device", "cuda:7"], r"torch sees no CUDA GPU|only \d+ CUDA GPU"),
+        (
+            ["--position-buckets", "8,32"],
+            r"--position-buckets must lie below the longest length \(32\); got 32\.$",
+        ),
     ],
 )
 def test_eval_errors_are_one_clear_line(model_dir, data_file, tmp_path, capsys, args, message):
@@ -422,4 +432,9 @@ def test_eval_in_two_processes_prints_the_one_process_table(model_dir, data_file
     one, two = (json.loads((tmp_path / name / "results.json").read_text()) for name in ("one", "two"))
     assert [r["tokens"] for r in two["rows"]] == [r["tokens"] for r in one["rows"]]
     assert [r["ppl"] for r in two["rows"]] == pytest.approx([r["ppl"] for r in one["rows"]], rel=1e-6)
-    assert outputs["two"].count("| sink+window (2+14) |") == 1  # one table, from rank 0
+    # The tables once, from rank 0 (by length, and by position): as one process prints them.
+    assert (
+        outputs["two"].count("| sink+window (2+14) |") == outputs["one"].count("| sink+window (2+14) |") == 2
+    )
+    for name, by_position in one["positions"]["ppl"].items():
+        assert two["positions"]["ppl"][name] == pytest.approx(by_position, rel=1e-6)

@@ -206,3 +206,36 @@ def test_re_computation_behind_bos_holds_bos_and_the_last_tokens():
     assert row.tokens == 48 and row.nll == pytest.approx(sum(nll) / 48, rel=1e-5)
     (row,) = recompute_rows(model, "r", 12, [doc], [24], bos_id=bos, every=5)  # tokens 4, 9, ..., 44
     assert row.tokens == 9 and row.nll == pytest.approx(sum(nll[4::5]) / 9, rel=1e-5)
+
+
+def test_perplexity_by_position_is_the_longest_segments_nll_over_the_same_positions(tmp_path):
+    model = tiny_model("llama", initializer_range=0.2)
+    docs = random_documents([64, 70])
+    variants = [Variant("unpatched"), Variant("sink+window", sink_tokens=2, window=14)]
+    result = sweep(model, docs, [16, 32, 64], variants, train_length=16, progress=False, positions=[16, 32])
+    assert result.positions.buckets == ["0-16", "16-32", "32-64"] and result.positions.starts == [0, 16, 32]
+    for variant in variants:
+        per_segment = []
+        with variant.applied(model):
+            for doc in docs:
+                # Without BOS the segment's first token (position 0) is not predicted: nll[i] is position i + 1.
+                nll = perplexity(model, doc[:64], cache=variant.new_cache(), progress=False).nll
+                per_segment.append(torch.cat([torch.tensor([math.nan]), nll]))
+        for label, start, end, ppl in zip(
+            ["0-16", "16-32", "32-64"], [0, 16, 32], [16, 32, 64], result.positions.ppl[variant.name]
+        ):
+            values = torch.cat([s[start:end] for s in per_segment]).double()
+            expected = values[~values.isnan()].mean().item()
+            assert math.log(ppl) == pytest.approx(expected, abs=1e-5), (variant.name, label)
+    # The window changes what tokens past 16 see, not the first 16.
+    by = result.positions.ppl
+    assert by["sink+window"][0] == pytest.approx(by["unpatched"][0], rel=1e-5)
+    assert abs(by["sink+window"][2] / by["unpatched"][2] - 1) > 1e-3
+
+    saved = json.loads(result.write_json(tmp_path / "results.json").read_text())
+    assert saved["positions"]["buckets"] == ["0-16", "16-32", "32-64"]
+    png = result.plot(tmp_path / "ppl.png")
+    assert png.stat().st_size > 20_000
+    with pytest.raises(ValueError, match=r"within the longest length \(64 tokens\)"):
+        sweep(model, docs, [32, 64], variants, positions=[64])
+    assert sweep(model, docs, [32, 64], variants[:1], progress=False).positions is None
