@@ -24,6 +24,8 @@ import json
 import math
 import os
 import re
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -508,3 +510,56 @@ def test_a_corrupt_download_is_refused_and_leaves_nothing(tmp_path, monkeypatch)
     assert "\n" not in message and "expected " + "0" * 64 in message
     assert isinstance(caught.value, FetchError)
     assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("tokens", "edges", "passkey"),
+    [
+        pytest.param(2100, (1024, 2048), "hfa_passkey_4k", id="2k"),
+        pytest.param(8400, (4096, 8192), "hfa_passkey_16k", id="past-trained-8k", marks=pytest.mark.slow),
+    ],
+)
+def test_lm_eval_console_script_reports_positions_and_passkeys_on_a_real_model(
+    checkpoints, tmp_path, tokens, edges, passkey
+):
+    """``hf-attnscale lm-eval`` as a user runs it, on SmolLM2 by name: perplexity by position over a long
+    built-in document (equal to hfa.perplexity's per-token NLL over the same positions) and a passkey task."""
+    pytest.importorskip("lm_eval")
+    from hf_attnscale.integrations.lm_eval_harness import HFAttnScaleLM, long_dataset
+
+    out = tmp_path / "out"
+    model_args = f"pretrained=smollm2-135m,sink_tokens=4,window=1020,dtype=float32,position_buckets={';'.join(map(str, edges))}"
+    metadata = {"first_tokens": tokens, "per_cell": 1, "depths": [1.0]}
+    command = [str(Path(sys.executable).parent / "hf-attnscale")]
+    if not Path(command[0]).is_file():
+        command = [sys.executable, "-m", "hf_attnscale.cli"]
+    proc = subprocess.run(
+        [
+            *command,
+            *("lm-eval", "--model", "hf-attnscale", "--model_args", model_args),
+            *("--tasks", f"hfa_stdlib_32k,{passkey}", "--limit", "1", "--metadata", json.dumps(metadata)),
+            *("--device", "cpu", "--output_path", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (result_file,) = out.rglob("results_*.json")
+    results = json.loads(result_file.read_text())["results"]
+
+    text = long_dataset("stdlib", first_tokens=tokens, pretrained=str(checkpoints["smollm2-135m"]))["test"][
+        "text"
+    ][0]
+    lm = HFAttnScaleLM(pretrained="smollm2-135m", sink_tokens=4, window=1020, dtype="float32", device="cpu")
+    ids = torch.tensor([lm.prefix_token_id, *lm.tok_encode(text)])
+    nll = hfa.perplexity(
+        lm.model, ids, cache=hfa.SinkCache(4, 1020), chunk_size=512, progress=False
+    ).nll.double()
+    labels = [f"0-{edges[0] // 1024}k", f"{edges[0] // 1024}k-{edges[1] // 1024}k", f"{edges[1] // 1024}k+"]
+    for label, start, end in zip(labels, [0, *edges], [*edges, None]):
+        reported = results["hfa_stdlib_32k"][f"ppl_{label},none"]
+        assert math.log(reported) == pytest.approx(nll[start:end].mean().item(), abs=1e-4), label
+    found = results[passkey]
+    assert found["acc_depth_100,none"] in (0.0, 1.0) and found["key_loglikelihood,none"] < 0
