@@ -45,6 +45,7 @@ def test_every_section_writes_its_table_data_and_figure(real_models, tmp_path, c
         "dense-smollm2-135m-stdlib",
         "outliers-smollm2-135m",
         "finetune",
+        "recall",
     ):
         assert (out / f"{figure}.png").stat().st_size > 10_000, figure
     sinks = json.loads((out / "sinks.json").read_text())["smollm2-135m/stdlib"]
