@@ -94,22 +94,27 @@ def run(context: Context) -> str:
     (context.out / "recall.json").write_text(json.dumps(table, indent=1, default=str))
     plot_recall(table, passkeys, depths, context.out / "recall.png")
     trained = TRAINED_LENGTH[MODEL]
-    header = [
-        "method",
-        *[f"ppl {b}" for b in BUCKETS],
-        *[f"passkey {n // 1024}k ({n / trained:g}x)" for n in passkeys],
-    ]
-    rows = []
+    ppl_rows, passkey_rows = [], []
     for label, by_task in table.items():
         ppl = [by_task["hfa_kjv_books"].get(f"ppl_{b},none", math.nan) for b in BUCKETS]
-        acc = [by_task[task]["acc,none"] for task in passkeys.values()]
-        rows.append(
-            [label, *[f"{p:.2f}" for p in ppl], *[f"{a * len(depths):.0f}/{len(depths)}" for a in acc]]
+        ppl_rows.append([label, *[f"{p:.2f}" for p in ppl]])
+        passkey_rows.append(
+            [
+                label,
+                *[
+                    f"{by_task[t]['acc,none'] * len(depths):.0f}/{len(depths)} "
+                    f"({by_task[t]['key_loglikelihood,none']:.2f})"
+                    for t in passkeys.values()
+                ],
+            ]
         )
     return (
         f"**{SHORT_NAME[MODEL]}** (trained at {trained}): perplexity by position over Genesis' first "
-        f"{document_tokens} tokens; passkeys found (greedy, key tokens all argmax) of {len(depths)} depths "
-        f"({', '.join(f'{d:.0%}' for d in depths)})\n\n" + markdown(header, rows)
+        f"{document_tokens} tokens (`hfa_kjv_books`, one document)\n\n"
+        + markdown(["method", *[f"positions {b}" for b in BUCKETS]], ppl_rows)
+        + f"\n\nPasskeys found (greedy: every key token the argmax), of {len(depths)} prompts at depths "
+        f"{', '.join(f'{d:.0%}' for d in depths)}, and the key's mean log-likelihood (`hfa_passkey_*`)\n\n"
+        + markdown(["method", *[f"{n // 1024}k ({n / trained:g}x)" for n in passkeys]], passkey_rows)
     )
 
 
@@ -129,11 +134,21 @@ def plot_recall(
                 for d in depths
             ]
         )
-        ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, origin="upper", aspect="auto")
+        # Light colours, dark text; a cell not run stays white and says so, never "missed".
+        ax.imshow(grid, cmap="RdYlGn", vmin=-0.6, vmax=1.6, origin="upper", aspect="auto")
         for (i, j), value in zip(
             [(i, j) for i in range(len(depths)) for j in range(len(passkeys))], grid.flatten().tolist()
         ):
-            ax.text(j, i, "found" if value == 1 else "missed", ha="center", va="center", fontsize=7)
+            word = "not run" if math.isnan(value) else "found" if value == 1 else "missed"
+            ax.text(
+                j,
+                i,
+                word,
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="0.5" if math.isnan(value) else "black",
+            )
         ax.set_xticks(range(len(passkeys)), [f"{n // 1024}k" for n in passkeys])
         ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
         within = sum(n <= TRAINED_LENGTH[MODEL] for n in passkeys)  # haystacks inside the trained context
@@ -143,7 +158,8 @@ def plot_recall(
         ax.set_xlabel("haystack (tokens)", fontsize=8)
         ax.set_ylabel("key depth", fontsize=8)
     fig.suptitle(
-        f"{SHORT_NAME[MODEL]}: passkey found, by haystack length and key depth (right of the dashed line: past the "
+        f"{SHORT_NAME[MODEL]}: passkey found (one prompt per cell), by haystack length and key depth (right of the "
+        "dashed line: past the "
         "trained 8k)",
         fontsize=10,
     )
