@@ -37,44 +37,20 @@ class Rule:
         attention_classes: class names to patch, for modules that bypass the AttentionInterface.
         forward: replacement forward for those modules (they compute their scores inline).
         no_exit: why the exit (zero_kv / sink logit) is refused for this family, if it is.
-        no_streaming: why a `SinkCache` is refused for this family, if it is.
     """
 
     attention_classes: tuple[str, ...] = ()
     forward: Callable[..., tuple] | None = None
     no_exit: str | None = None
-    no_streaming: str | None = None
 
 
 _INKLING2 = Rule(
     no_exit="Inkling-2 has attention sinks of its own (a sink logit per query and head); a second exit is refused"
 )
-_GPTJ = Rule(
-    no_streaming="GPT-J and CodeGen rotate interleaved pairs with (sin, cos) read from a table of their own, "
-    "which pos-shift does not re-place"
-)
 RULES: dict[str, Rule] = {
     "roformer": Rule(("RoFormerSelfAttention",), forward=roformer_self_attention_forward),
     "gpt_oss": Rule(
-        no_exit="gpt-oss has learned attention sinks of its own (s_aux); a second exit is refused",
-        no_streaming="gpt-oss interleaves its RoPE halves (cos/sin of half the head), which pos-shift does not "
-        "re-place",
-    ),
-    "gptj": _GPTJ,
-    "codegen": _GPTJ,
-    "dory": Rule(
-        no_streaming="Dory runs its middle layers in loops, each loop writing its own copy of their cache "
-        "layers (or reading the last loop's keys), which a SinkCache does not hold"
-    ),
-    "beam": Rule(
-        no_streaming="Beam's NoPE layers scale attention by absolute position, with no RoPE to re-place"
-    ),
-    "doge": Rule(no_streaming="Doge builds a dynamic mask from all its cached values, which a window evicts"),
-    "jetmoe": Rule(no_streaming="JetMoE's mixture-of-attention routes keys through experts of its own"),
-    "zaya": Rule(no_streaming="ZAYA's attention takes a dict of masks and a convolution state of its own"),
-    "falcon_h1": Rule(
-        no_streaming="Falcon-H1 runs a state-space mixer beside every attention layer, whose state a "
-        "SinkCache does not hold"
+        no_exit="gpt-oss has learned attention sinks of its own (s_aux); a second exit is refused"
     ),
     "inkling2_text": _INKLING2,
     "inkling2_loop_text": _INKLING2,
@@ -221,9 +197,10 @@ Rotary = tuple[nn.Module, str | None]
 def rotary_for(root: nn.Module, module: nn.Module) -> Rotary | None:
     """The model's rotary embedding that feeds ``module``, and the layer type it takes (Gemma-3), if any.
 
+    The rotary embedding is the module that holds a ``rope_type`` (transformers' RoPE initialisation reads it).
     None when the model has none, or several to choose between (streaming then says it cannot run).
     """
-    rotaries = [m for m in root.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    rotaries = [m for m in root.modules() if hasattr(m, "rope_type")]
     if len(rotaries) != 1:
         return None
     rotary = rotaries[0]

@@ -26,8 +26,8 @@ from hf_attnscale.core.offload import run_device
 from hf_attnscale.core.routing import cache_argument
 from hf_attnscale.core.validation import check_int
 from hf_attnscale.streaming.cache import SinkCache
-from hf_attnscale.streaming.pos_shift import check_streaming_model
 from hf_attnscale.streaming.rope import rope_rescales_with_length
+from hf_attnscale.streaming.spec import check_streaming_model
 
 Method = Literal["stream", "dense", "recompute"]
 METHODS = ("stream", "dense", "recompute")

@@ -36,7 +36,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from hf_attnscale.core.validation import as_int, check_int
-from hf_attnscale.streaming.pos_shift import check_streaming_model
+from hf_attnscale.streaming.spec import check_streaming_model
 
 from .perplexity import segment_nll
 from .positions import bucket_sums, position_buckets

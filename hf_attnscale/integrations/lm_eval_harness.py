@@ -66,7 +66,7 @@ from hf_attnscale.evaluation.perplexity import PerplexityResult, perplexity
 from hf_attnscale.evaluation.positions import bucket_sums, position_buckets as read_buckets
 from hf_attnscale.evaluation.processes import join_processes
 from hf_attnscale.streaming.cache import SinkCache, cache_settings
-from hf_attnscale.streaming.pos_shift import check_streaming_model
+from hf_attnscale.streaming.spec import check_streaming_model
 
 MODEL_TYPE = "hf-attnscale"
 PASSKEY_LENGTHS = (4096, 8192, 16384, 32768)

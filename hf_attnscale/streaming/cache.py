@@ -2,62 +2,31 @@
 
 Each query sees the first ``sink_tokens`` real tokens of its row and its own last ``window`` real tokens
 (itself included), at positions inside the cache (pos-shift), exactly as mit-han-lab/streaming-llm computes
-token by token. How calls are planned and keys stored: `hf_attnscale.streaming.plan`. How the attention step
-runs with identity RoPE so that the cache sees the keys before rotation: `hf_attnscale.streaming.pos_shift`.
+token by token. The cache holds the stream: its layers (each stores, evicts and returns keys and values as
+the call's plan says, `hf_attnscale.streaming.plan`), what the stream knows of its model
+(`hf_attnscale.streaming.spec`) and the model call under way; its attention step is
+`hf_attnscale.streaming.step`'s.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from hf_attnscale.core.gate import gate_input
-from hf_attnscale.core.hooks import CallHooks
-from hf_attnscale.core.routing import cache_argument, forward_with_hooks, rotary_of
-from hf_attnscale.core.state import state_of
 from hf_attnscale.core.validation import check_int
 
-from .plan import (
-    AttentionMode,
-    LayerGeometry,
-    Rotations,
-    SlotRecord,
-    StepPlan,
-    WriteMode,
-    build_plan,
-    layer_geometry,
-)
-from .pos_shift import (
-    UNPATCHED_MESSAGE,
-    check_streaming_backend,
-    layer_rotates,
-    new_token_validity,
-    no_rotation,
-    own_sliding_window,
-    per_token_slice,
-    streaming_refusal,
-)
-from .rope import (
-    CosSin,
-    RopeFn,
-    RopeTable,
-    first_dims_rope,
-    pair_rope,
-    rotate_keys,
-    rotate_queries,
-    rotation_basis,
-)
+from .plan import LayerGeometry, Rotations, SlotRecord, StepPlan
+from .rope import CosSin, RopeFn, rotate_keys, rotation_basis
+from .spec import UNPATCHED_MESSAGE, StreamSpec
+from .step import Call, attention_step
 
 DEFAULT_SINK_TOKENS = 4
 """StreamingLLM's number of attention sinks, the default wherever a sink count is taken."""
-PIECE_TOKENS = 1024
-"""Calls with more new tokens than this (long prompts) are processed in pieces inside each layer."""
+STATE_FORMAT = 2
+"""The layout of `SinkCache.state_dict`: 2 keeps the sinks' keys rotated at their own index (1: before RoPE)."""
 
 
 def cache_settings(
@@ -77,41 +46,12 @@ def cache_settings(
     return check_int("sink_tokens", sinks, 0), check_int("window", window, 1)
 
 
-@dataclass(frozen=True)
-class PendingWrite:
-    """What a layer's next `SinkCacheLayer.update` does: the call's plan, the family's rotation, the layer's
-    RoPE table, and whether the module hands over its new keys already rotated at the plan's new positions."""
-
-    plan: StepPlan
-    rope: RopeFn
-    table: RopeTable
-    keys_rotated: bool
-
-
-class SinkRotation:
-    """The sinks' keys rotated at any cos/sin while decoding (no autograd).
-
-    From a basis ``a·cos + b·sin`` found once (`rotation_basis`) when the family's rotation has that form,
-    checked bitwise; otherwise by the family's own function each time.
-    """
-
-    def __init__(self, rope: RopeFn, sink_keys: torch.Tensor, cos_sin: CosSin) -> None:
-        self.rope, self.sink_keys = rope, sink_keys
-        self.basis = rotation_basis(rope, sink_keys, cos_sin)
-
-    def __call__(self, cos_sin: CosSin) -> torch.Tensor:
-        if self.basis is None:
-            return rotate_keys(self.rope, self.sink_keys, cos_sin)
-        (a, b), (cos, sin) = self.basis, cos_sin
-        return a * cos.unsqueeze(1) + b * sin.unsqueeze(1)
-
-
 class SinkCacheLayer(CacheLayerMixin):
-    """One layer of a `SinkCache`: keys, values and the sinks' un-rotated keys, at most ``geometry.capacity``
-    slots (``S + W``; a layer with a shorter sliding window of its own holds only that, see `LayerGeometry`).
+    """One layer of a `SinkCache`: keys, values and the sinks' keys, at most ``geometry.capacity`` slots
+    (``S + W``; a layer with a shorter sliding window of its own holds only that, see `LayerGeometry`).
 
-    Slots ``0..S-1`` hold the sinks (rotated afresh for every call); the others hold window keys rotated at
-    their index minus the row's base (see `hf_attnscale.streaming.plan`).
+    Slots ``0..S-1`` hold the sinks, rotated afresh for every call from their keys as they came (rotated at their
+    own index); the others hold window keys rotated at their index minus the row's base.
     """
 
     is_sliding = False
@@ -123,9 +63,9 @@ class SinkCacheLayer(CacheLayerMixin):
         super().__init__()
         self.geometry = geometry
         self.slots: SlotRecord | None = None
-        self.sink_keys: torch.Tensor | None = None  # (B, Hkv, S, D), before RoPE
-        self._sink_rotation: SinkRotation | None = (
-            None  # built at the first decoding step after the sinks came
+        self.sink_keys: torch.Tensor | None = None  # (B, Hkv, S, D)
+        self._basis: tuple | None = (
+            None  # the sinks' rotation basis, () where none applies (`rotation_basis`)
         )
 
     @property
@@ -146,47 +86,51 @@ class SinkCacheLayer(CacheLayerMixin):
         self,
         key_states: torch.Tensor,
         value_states: torch.Tensor,
-        *args,
-        write: PendingWrite | None = None,
-        **kwargs,
+        plan: StepPlan,
+        rotations: Rotations,
+        rope: RopeFn,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new keys (pre-RoPE, unless ``write`` says they are rotated) and values; return every key
-        and value the new queries read."""
-        if write is None:
-            raise ValueError(UNPATCHED_MESSAGE)
-        plan, rope = write.plan, write.rope
+        """Store the new keys (rotated by the module at the plan's positions) and values, evict what the plan
+        drops, and return every key and value the new queries read."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         sinks = self.geometry.sinks
-        rotations = plan.rotations(write.table)
         keys, values, sink_keys = self.keys, self.values, self.sink_keys
         if rotations.rebase is not None:  # the base moved: rotate the stored window keys back by the move
-            window = rotate_keys(rope, keys[:, :, sinks:], rotations.rebase)
-            keys = torch.cat([keys[:, :, :sinks], window], dim=2)
-        if plan.has_new_sinks:
+            keys = torch.cat(
+                [keys[:, :, :sinks], rotate_keys(rope, keys[:, :, sinks:], rotations.rebase)], dim=2
+            )
+        if plan.new_sink_index is not None:
             sink_keys, values = _store_sinks(plan.new_sink_index, key_states, value_states, sink_keys, values)
-            self._sink_rotation = None
-        new_keys = key_states if write.keys_rotated else rotate_keys(rope, key_states, rotations.new)
-        if plan.write is WriteMode.IN_PLACE:  # one token into a free slot, nothing copied
-            _write(keys, new_keys, plan.write_slot)
+            self._basis = None
+        if plan.write_slot is not None:  # decoding: each row's one token into its slot, nothing copied
+            _write(keys, key_states, plan.write_slot)
             _write(values, value_states, plan.write_slot)
-            if self._sink_rotation is None:
-                self._sink_rotation = SinkRotation(rope, sink_keys, rotations.sinks)
-            keys[:, :, :sinks] = self._sink_rotation(rotations.sinks)
+            if sinks:
+                keys[:, :, :sinks] = self._rotated_sinks(rope, sink_keys, rotations.sinks)
         else:
-            keys, values = torch.cat([keys, new_keys], dim=2), torch.cat([values, value_states], dim=2)
-            keys = torch.cat([rotate_keys(rope, sink_keys, rotations.sinks), keys[:, :, sinks:]], dim=2)
-        read = (keys, values)
-        if plan.mode is AttentionMode.DOUBLED:
-            read = _doubled(rope, keys, values, sink_keys, rotations)
-        if plan.write is WriteMode.APPEND:
+            sink_slots = rotate_keys(rope, sink_keys, rotations.sinks)
+            keys = torch.cat([sink_slots, keys[:, :, sinks:], key_states], dim=2)
+            values = torch.cat([values, value_states], dim=2)
+        read = _doubled(keys, values, sink_keys) if plan.doubled else (keys, values)
+        if plan.keep_index is not None:
             keys, values = _gather_slots(keys, plan.keep_index), _gather_slots(values, plan.keep_index)
         self.keys, self.values, self.sink_keys, self.slots = keys, values, sink_keys, plan.after
         return read
 
+    def _rotated_sinks(self, rope: RopeFn, sink_keys: torch.Tensor, cos_sin: CosSin) -> torch.Tensor:
+        """The sinks rotated at ``cos_sin`` while decoding: from a basis ``a·cos + b·sin`` found once where the
+        family's rotation has that form (checked bitwise), else by the family's own function."""
+        if self._basis is None:
+            self._basis = rotation_basis(rope, sink_keys, cos_sin) or ()
+        if not self._basis:
+            return rotate_keys(rope, sink_keys, cos_sin)
+        (a, b), (cos, sin) = self._basis, cos_sin
+        return a * cos.unsqueeze(1) + b * sin.unsqueeze(1)
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # transformers then builds a mask over the new tokens only; the pos-shift step reads their padding
-        # from its diagonal and builds the real mask itself (the cache's slots are not a contiguous range).
+        # transformers then builds a mask over the new tokens only; the step reads their padding from its
+        # diagonal, and the plan builds the real mask (the cache's slots are not a contiguous range).
         return query_length, self.get_seq_length()
 
     def get_seq_length(self) -> int:
@@ -196,7 +140,7 @@ class SinkCacheLayer(CacheLayerMixin):
         return -1  # the stream is unbounded; the memory is not (see `SinkCache.capacity`)
 
     def reset(self) -> None:
-        self.keys = self.values = self.sink_keys = self.slots = self._sink_rotation = None
+        self.keys = self.values = self.sink_keys = self.slots = self._basis = None
         self.is_initialized = False
 
     def state_dict(self) -> dict[str, Any]:
@@ -224,7 +168,7 @@ class SinkCacheLayer(CacheLayerMixin):
         )
 
     def _select_rows(self, select: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self._sink_rotation = None
+        self._basis = None
         for name in ("keys", "values", "sink_keys"):
             tensor = getattr(self, name)
             if tensor is not None:
@@ -243,7 +187,7 @@ class SinkCacheLayer(CacheLayerMixin):
 
 
 def _store_sinks(new_sink_index, key_states, value_states, sink_keys, values):
-    """Keep the pre-RoPE keys and the values of new tokens that are sinks, in their reserved slots."""
+    """Keep the keys and values of new tokens that are sinks, in their reserved slots."""
     batch, heads, _, dim = key_states.shape
     sinks = sink_keys.shape[2]
     # Scatter every new token; non-sinks go to a spare slot past the end, which is dropped.
@@ -265,15 +209,15 @@ def _write(buffer: torch.Tensor, new: torch.Tensor, slot: torch.Tensor) -> None:
     buffer.scatter_(2, index, new)
 
 
-def _doubled(rope: RopeFn, keys, values, sink_keys, rotations: Rotations):
-    """DOUBLED mode's keys ``[k, 0]`` then sinks ``[0, R(i) k]``; values zero-padded to the same width."""
+def _doubled(keys: torch.Tensor, values: torch.Tensor, sink_keys: torch.Tensor):
+    """A doubled call's keys ``[k, 0]``, then the sinks as stored ``[0, R(i) k]``; values zero-padded alike."""
     batch, heads, slots, dim = keys.shape
     if values.shape[-1] != dim:
         raise ValueError("SinkCache's chunked path needs keys and values of the same head size.")
     sinks = sink_keys.shape[2]
     wide_keys = keys.new_zeros(batch, heads, slots + sinks, 2 * dim)
     wide_keys[:, :, :slots, :dim] = keys
-    wide_keys[:, :, slots:, dim:] = rotate_keys(rope, sink_keys, rotations.sink_copies)
+    wide_keys[:, :, slots:, dim:] = sink_keys
     wide_values = values.new_zeros(batch, values.shape[1], slots + sinks, 2 * dim)
     wide_values[:, :, :slots, :dim] = values
     wide_values[:, :, slots:, :dim] = values[:, :, :sinks]
@@ -285,30 +229,6 @@ def _gather_slots(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         return x.index_select(2, index)
     batch, heads, _, dim = x.shape
     return x.gather(2, index.view(batch, 1, -1, 1).expand(batch, heads, index.shape[1], dim))
-
-
-@dataclass
-class _CallState:
-    """What one model call through the cache works out and shares between its layers; made afresh when the
-    call reaches its first attention layer, so nothing of it outlives the call."""
-
-    first_layer: int
-    plans: dict[tuple[LayerGeometry, int], StepPlan] = field(
-        default_factory=dict
-    )  # by the layers' geometry and the tokens seen before them (prompt pieces)
-    validity: dict[int, tuple[Any, torch.Tensor, bool]] = field(default_factory=dict)  # by id(mask)
-    pending: tuple[int, PendingWrite] | None = None  # (layer, its write) while a layer's forward runs
-
-
-@dataclass
-class _StreamMemo:
-    """What a stream works out once and keeps: its RoPE tables, each module's rotation, the model it checked."""
-
-    tables: dict[tuple, RopeTable] = field(default_factory=dict)
-    module_ropes: dict[tuple, tuple[nn.Module, RopeFn, LayerGeometry]] = field(
-        default_factory=dict
-    )  # the module held too
-    checked_config: Any = None
 
 
 class SinkCache(Cache):
@@ -340,12 +260,14 @@ class SinkCache(Cache):
         window: number of most recent tokens each query sees, itself included (at least 1).
     """
 
+    attention_step = attention_step  # one attention module's step through this cache (streaming/step.py)
+
     def __init__(self, sink_tokens: int = DEFAULT_SINK_TOKENS, window: int = 1020):
         self.sink_tokens = check_int("sink_tokens", sink_tokens, 0)
         self.window = check_int("window", window, 1)
         super().__init__(layers=[])
-        self._call: _CallState | None = None
-        self._memo = _StreamMemo()
+        self.spec: StreamSpec | None = None  # what the stream knows of its model, from its first call on
+        self.call: Call | None = None  # the model call under way
 
     @classmethod
     def from_start_recent(cls, start_size: int, recent_size: int) -> SinkCache:
@@ -380,23 +302,26 @@ class SinkCache(Cache):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        pending = self._call.pending if self._call is not None else None
+        """Store a layer's new keys and values as the call's plan says; return every key and value its queries
+        read. Only the step of a patched module calls it (with the plan pending)."""
+        pending = None if self.call is None else self.call.pending
         if pending is None or pending[0] != layer_idx:
             raise ValueError(UNPATCHED_MESSAGE)
-        return self.layers[layer_idx].update(key_states, value_states, write=pending[1])
+        return self.layers[layer_idx].update(key_states, value_states, *pending[1:])
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return query_length, self.get_seq_length(layer_idx)
 
     def reset(self) -> None:
         super().reset()
-        self._call = None
+        self.spec = self.call = None
 
     def state_dict(self) -> dict[str, Any]:
         """Everything the stream holds, as tensors and plain values (``torch.save`` writes it; ``torch.load`` reads
         it back with ``weights_only=True``). A fresh ``SinkCache`` of the same size given it by `load_state_dict`
         continues the stream exactly: a server can keep a conversation on disk, a long run can resume."""
         return {
+            "format": STATE_FORMAT,
             "sink_tokens": self.sink_tokens,
             "window": self.window,
             "layers": [layer.state_dict() for layer in self.layers],
@@ -404,6 +329,10 @@ class SinkCache(Cache):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the stream `state_dict` saved, in place of whatever this cache held."""
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(
+                "This state was saved by an earlier hf_attnscale, whose layout differs; restart it."
+            )
         if (state["sink_tokens"], state["window"]) != (self.sink_tokens, self.window):
             raise ValueError(
                 f"This state is of a SinkCache({state['sink_tokens']}, {state['window']}); this cache is "
@@ -414,189 +343,3 @@ class SinkCache(Cache):
         for index, layer_state in enumerate(state["layers"]):
             sinks, window, local = layer_state["geometry"]
             self.layer(index, LayerGeometry(sinks, window, local)).load_state_dict(layer_state)
-
-    def attention_step(
-        self,
-        module: nn.Module,
-        hidden_states: torch.Tensor,
-        position_embeddings: CosSin | None = None,
-        attention_mask: torch.Tensor | None = None,
-        past_key_values: SinkCache | None = None,
-        **kwargs,
-    ):
-        """One attention module's step over ``hidden_states`` (B, q, hidden), with pos-shift through this cache.
-
-        Called by a patched RoPE attention module's forward (`hf_attnscale.core.routing`) in place of its own.
-        What does not change between calls is worked out once: per model call (the checks on the model, the
-        plan, which new tokens are padding) and per stream (each module's rotation, its RoPE table).
-        """
-        if state_of(module) is None or rotary_of(module) is None:
-            raise ValueError(UNPATCHED_MESSAGE)
-        if self._call is None or module.layer_idx <= self._call.first_layer:
-            self._call = self._begin_call(module)  # a layer at or before the call's first: a new model call
-        batch, q_len = hidden_states.shape[:2]
-        new_valid, all_valid = self._new_validity(attention_mask, batch, q_len, hidden_states.device)
-        rope, table, geometry = self._module_rotation(module, hidden_states, position_embeddings, kwargs)
-        self.layer(module.layer_idx, geometry)
-        outputs, weights = [], None
-        pieces = q_len > PIECE_TOKENS
-        for start in range(0, q_len, PIECE_TOKENS):
-            # A long prompt: this layer's queries in pieces, each reading the cache the previous piece left.
-            # Exact (a token's output depends only on earlier tokens); memory stays O(piece x (S + W + piece)).
-            piece = slice(start, start + PIECE_TOKENS)
-            plan = self.plan(
-                module.layer_idx, new_valid[:, piece] if pieces else new_valid, hidden_states.dtype, all_valid
-            )
-            out, weights = self._run_piece(
-                module,
-                hidden_states[:, piece] if pieces else hidden_states,
-                PendingWrite(plan, rope, table, keys_rotated=_rotates_itself(plan)),
-                per_token_slice(kwargs, q_len, piece) if pieces else kwargs,
-            )
-            outputs.append(out)
-        return (outputs[0], weights) if len(outputs) == 1 else (torch.cat(outputs, dim=1), None)
-
-    def _begin_call(self, module: nn.Module) -> _CallState:
-        """A new model call (its first attention layer): check the model as it is now."""
-        model_config = module.config.model_config
-        check_streaming_backend(model_config._attn_implementation)
-        if model_config is not self._memo.checked_config:  # a family's refusal depends on its config alone
-            reason = streaming_refusal(model_config)
-            if reason:
-                raise ValueError(reason)
-            self._memo.checked_config = model_config
-        return _CallState(first_layer=module.layer_idx)
-
-    def _new_validity(
-        self, attention_mask: torch.Tensor | None, batch: int, q_len: int, device: torch.device
-    ) -> tuple[torch.Tensor, bool]:
-        """``(B, q)`` bool of the real new tokens, and whether all are real; read once per mask of the call."""
-        seen = self._call.validity.get(id(attention_mask))
-        if seen is not None:
-            return seen[1], seen[2]
-        new_valid = new_token_validity(attention_mask, batch, q_len, device)
-        all_valid = attention_mask is None or bool(new_valid.all())
-        if not all_valid and not bool(new_valid.any()):
-            raise ValueError(
-                "The attention_mask marks every new token as padding. With a cache, pass a 2D attention_mask "
-                "that covers the past and the new tokens, (batch, past + new), as generate() does; or none."
-            )
-        # The mask is held, so that its identity is not reused by another object during the call.
-        self._call.validity[id(attention_mask)] = (attention_mask, new_valid, all_valid)
-        return new_valid, all_valid
-
-    def _module_rotation(
-        self,
-        module: nn.Module,
-        hidden_states: torch.Tensor,
-        position_embeddings: CosSin | None,
-        kwargs: dict,
-    ) -> tuple[RopeFn, RopeTable, LayerGeometry]:
-        """The module's rotation (its family's RoPE, over its rotary dims, or none), its RoPE table, and what its
-        layer holds and reads (its own sliding window applied to the cache)."""
-        rotary, layer_type = rotary_of(module)
-        table = self.rope_table(rotary, layer_type, hidden_states)
-        key = (id(module), table)
-        if key not in self._memo.module_ropes:
-            if position_embeddings is None:
-                q_len = hidden_states.shape[1]
-                position_embeddings = table(
-                    torch.zeros(1, q_len, dtype=torch.long, device=hidden_states.device)
-                )
-            if not (isinstance(position_embeddings, tuple) and len(position_embeddings) == 2):
-                raise ValueError(
-                    f"SinkCache cannot stream {type(module).__name__}: its RoPE is not a (cos, sin) pair "
-                    "(complex frequencies, as in Llama-4 and DeepSeek-V2), so pos-shift cannot re-place its keys."
-                )
-            cos, sin = position_embeddings
-            rotates = layer_rotates(module, hidden_states, position_embeddings, _identity(cos, sin), **kwargs)
-            family_rope = sys.modules[type(module).__module__].apply_rotary_pos_emb
-            rope = pair_rope(family_rope) if rotates else no_rotation
-            geometry = layer_geometry(self.sink_tokens, self.window, own_sliding_window(module))
-            self._memo.module_ropes[key] = (module, first_dims_rope(rope, cos.shape[-1]), geometry)
-        _, rope, geometry = self._memo.module_ropes[key]
-        return rope, table, geometry
-
-    def _run_piece(self, module: nn.Module, hidden_states: torch.Tensor, write: PendingWrite, kwargs: dict):
-        """One call of the module's class forward, with ``write`` pending on its layer.
-
-        When the module rotates its queries and new keys itself (`_rotates_itself`), it gets the plan's
-        positions, as in a plain forward; otherwise it rotates by the identity (cos = 1, sin = 0 in the real
-        shapes, so partial rotary stays right), and the call's hooks and the cache rotate after it.
-        """
-        plan, rope = write.plan, write.rope
-        rotations = plan.rotations(write.table)
-        self.layer(module.layer_idx)
-        self._call.pending = (module.layer_idx, write)
-        arguments = {
-            "hidden_states": hidden_states,
-            "position_embeddings": rotations.new if write.keys_rotated else _identity(*rotations.new),
-            "attention_mask": plan.mask,
-            cache_argument(module): self,
-            **kwargs,
-        }
-        try:
-            if write.keys_rotated:
-                with gate_input(module, hidden_states):
-                    return type(module).forward(module, **arguments)
-            return forward_with_hooks(module, _pos_shift_hooks(plan.mode, rope, rotations), **arguments)
-        finally:
-            self._call.pending = None
-
-    def rope_table(self, rotary: nn.Module, layer_type: str | None, like: torch.Tensor) -> RopeTable:
-        """The RoPE table of one rotary embedding (and layer type) for this stream, built on first use."""
-        key = (id(rotary), layer_type, like.dtype, like.device)
-        if key not in self._memo.tables:
-            self._memo.tables[key] = RopeTable(rotary, layer_type, like, self.capacity)
-        return self._memo.tables[key]
-
-    def plan(self, layer_idx: int, new_valid: torch.Tensor, dtype: torch.dtype, all_valid: bool) -> StepPlan:
-        """The `StepPlan` for the next call of layer ``layer_idx``; built once per model call and shared.
-
-        Args:
-            new_valid: ``(B, q)`` bool, False for padding among the new tokens.
-            dtype: the query dtype (of the mask).
-            all_valid: whether ``new_valid`` is all True.
-        """
-        layer = self.layer(layer_idx)
-        geometry = layer.geometry
-        slots = layer.slots or SlotRecord.empty(new_valid.shape[0], geometry.sinks, new_valid.device)
-        if slots.real_tokens.shape[0] != new_valid.shape[0]:
-            raise ValueError(
-                f"This SinkCache holds a batch of {slots.real_tokens.shape[0]} streams but got "
-                f"{new_valid.shape[0]}; use one cache per batch (or cache.reset())."
-            )
-        # Writing into the cache in place would break autograd's saved tensors; it only pays off when decoding.
-        in_place = not torch.is_grad_enabled()
-        plans = self._call.plans
-        plan = plans.get((geometry, slots.seen))
-        if plan is None or not plan.matches(slots, new_valid, dtype, in_place):
-            plan = build_plan(slots, new_valid, geometry, dtype, in_place, all_valid)
-            plans[geometry, slots.seen] = plan
-        return plan
-
-
-def _rotates_itself(plan: StepPlan) -> bool:
-    """Whether the module can rotate this call's queries and new keys itself, at the plan's new positions: they
-    share one rotation (SINGLE), and no new token is a sink (the sinks are stored before RoPE). That is decoding,
-    and every chunk of a stream past its first tokens."""
-    return plan.mode is AttentionMode.SINGLE and not plan.has_new_sinks
-
-
-def _pos_shift_hooks(mode: AttentionMode, rope: RopeFn, rotations: Rotations) -> CallHooks:
-    """The hooks of a call whose module rotated nothing: rotate its queries (DOUBLED: both halves), and drop
-    the DOUBLED output's padding."""
-    if mode is AttentionMode.SINGLE:
-        return CallHooks(query=lambda q: rotate_queries(rope, q, rotations.new))
-    return CallHooks(
-        query=lambda q: torch.cat(
-            [rotate_queries(rope, q, rotations.new), rotate_queries(rope, q, rotations.mid)], dim=-1
-        ),
-        # values were zero-padded to 2D; contiguous, as some families .view() the output
-        output=lambda out: out[..., : out.shape[-1] // 2].contiguous(),
-    )
-
-
-def _identity(cos: torch.Tensor, sin: torch.Tensor) -> CosSin:
-    """RoPE as the identity, in the real cos/sin shapes (Phi-3 rotates only part of the head)."""
-    return torch.ones_like(cos), torch.zeros_like(sin)

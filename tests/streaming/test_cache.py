@@ -381,7 +381,7 @@ def test_assisted_decoding_raises_clearly():
 
 def test_long_prompt_is_processed_in_pieces(monkeypatch):
     """A call longer than PIECE_TOKENS runs each layer in pieces: same logits, same cache, as one piece."""
-    from hf_attnscale.streaming import cache as streaming
+    from hf_attnscale.streaming import step as streaming
 
     model = hfa.patch(sharp_model())
     ids = torch.randint(2, SHARP_VOCAB, (2, 40))
@@ -431,3 +431,19 @@ def test_streaming_then_unpatch_leaves_nothing_on_the_modules():
     hfa.unpatch(model)
     after = {name: set(vars(module)) for name, module in model.named_modules()}
     assert after == before
+
+
+def test_streaming_writes_nothing_onto_the_patched_modules():
+    """What a stream finds about its model (each layer's rotation, RoPE table, geometry) stays in its cache: the
+    patched modules' attributes, children and buffers are the same before and after streams of every shape."""
+    model = hfa.patch(sharp_model())
+
+    def attributes() -> dict:
+        return {n: (set(vars(m)), set(m._modules), set(m._buffers)) for n, m in model.named_modules()}
+
+    before = attributes()
+    ids = torch.randint(0, SHARP_VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        stream_logits(model, ids, hfa.SinkCache(2, 6), [7, 1, 1, 13])
+    model.generate(ids[:, :5], past_key_values=hfa.SinkCache(2, 6), max_new_tokens=12, **GREEDY)
+    assert attributes() == before

@@ -13,7 +13,7 @@ from transformers import AutoConfig
 
 import hf_attnscale as hfa
 from hf_attnscale.core.families import attention_modules, takes_position_embeddings
-from hf_attnscale.streaming.pos_shift import check_streaming_model
+from hf_attnscale.streaming.spec import check_streaming_model
 
 DECODERS = [t for t in family_types() if head_of(t) == "causal"]
 
