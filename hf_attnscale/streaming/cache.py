@@ -1,12 +1,6 @@
-"""`SinkCache`: StreamingLLM's attention sinks plus a sliding window, as a transformers Cache.
-
-Each query sees the first ``sink_tokens`` real tokens of its row and its own last ``window`` real tokens
-(itself included), at positions inside the cache (pos-shift), exactly as mit-han-lab/streaming-llm computes
-token by token. The cache holds the stream: its layers (each stores, evicts and returns keys and values as
-the call's plan says, `hf_attnscale.streaming.plan`), what the stream knows of its model
-(`hf_attnscale.streaming.spec`) and the model call under way; its attention step is
-`hf_attnscale.streaming.step`'s.
-"""
+"""`SinkCache`: StreamingLLM's attention sinks plus a sliding window, as a transformers Cache. It holds one
+stream: its layers (each stores, evicts and returns keys and values as the call's plan says), what the stream
+knows of its model (`hf_attnscale.streaming.spec`) and the call under way; its step is `streaming.step`'s."""
 
 from __future__ import annotations
 
@@ -14,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hf_attnscale.core.validation import check_int
@@ -25,17 +20,14 @@ from .step import Call, attention_step
 
 DEFAULT_SINK_TOKENS = 4
 """StreamingLLM's number of attention sinks, the default wherever a sink count is taken."""
-STATE_FORMAT = 2
-"""The layout of `SinkCache.state_dict`: 2 keeps the sinks' keys rotated at their own index (1: before RoPE)."""
+STATE_FORMAT = 2  # of `SinkCache.state_dict`: 2 keeps the sinks' keys rotated at their index (1: before RoPE)
 
 
 def cache_settings(
     sink_tokens: int | None, window: int | None, default_sinks: int = DEFAULT_SINK_TOKENS
 ) -> tuple[int, int] | None:
-    """``(sink_tokens, window)`` of a streaming cache from optional settings, or None for no streaming.
-
-    ``sink_tokens`` defaults to ``default_sinks`` when only a window is given, and needs a window.
-    """
+    """``(sink_tokens, window)`` of a streaming cache from optional settings, or None for no streaming;
+    ``sink_tokens`` defaults to ``default_sinks`` when only a window is given, and needs a window."""
     if window is None:
         if sink_tokens:
             raise ValueError(
@@ -47,16 +39,11 @@ def cache_settings(
 
 
 class SinkCacheLayer(CacheLayerMixin):
-    """One layer of a `SinkCache`: keys, values and the sinks' keys, at most ``geometry.capacity`` slots
-    (``S + W``; a layer with a shorter sliding window of its own holds only that, see `LayerGeometry`).
-
-    Slots ``0..S-1`` hold the sinks, rotated afresh for every call from their keys as they came (rotated at their
-    own index); the others hold window keys rotated at their index minus the row's base.
-    """
+    """One layer of a `SinkCache`: keys and values in at most ``geometry.capacity`` slots, and the sinks' keys as
+    they came (rotated at their own index). Slots ``0..S-1`` hold the sinks, rotated afresh for every call; the
+    others hold window keys rotated at their index minus the row's base (`hf_attnscale.streaming.plan`)."""
 
     is_sliding = False
-    is_compileable = False
-    is_croppable = False
     supports_early_init = False
 
     def __init__(self, geometry: LayerGeometry):
@@ -64,9 +51,7 @@ class SinkCacheLayer(CacheLayerMixin):
         self.geometry = geometry
         self.slots: SlotRecord | None = None
         self.sink_keys: torch.Tensor | None = None  # (B, Hkv, S, D)
-        self._basis: tuple | None = (
-            None  # the sinks' rotation basis, () where none applies (`rotation_basis`)
-        )
+        self._basis: tuple | None = None  # the sinks' `rotation_basis`, () where none applies
 
     @property
     def token_index(self) -> torch.Tensor | None:
@@ -74,13 +59,10 @@ class SinkCacheLayer(CacheLayerMixin):
         return None if self.slots is None else self.slots.index
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch, heads, _, dim = key_states.shape
-        sinks = self.geometry.sinks
-        self.keys = key_states.new_zeros(batch, heads, sinks, dim)
+        (batch, heads, _, dim), sinks = key_states.shape, self.geometry.sinks
+        self.keys, self.sink_keys = key_states.new_zeros(2, batch, heads, sinks, dim).unbind()
         self.values = value_states.new_zeros(batch, value_states.shape[1], sinks, value_states.shape[-1])
-        self.sink_keys = key_states.new_zeros(batch, heads, sinks, dim)
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.is_initialized = True
+        self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
 
     def update(
         self,
@@ -94,18 +76,19 @@ class SinkCacheLayer(CacheLayerMixin):
         drops, and return every key and value the new queries read."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        sinks = self.geometry.sinks
-        keys, values, sink_keys = self.keys, self.values, self.sink_keys
+        sinks, keys, values, sink_keys = self.geometry.sinks, self.keys, self.values, self.sink_keys
         if rotations.rebase is not None:  # the base moved: rotate the stored window keys back by the move
-            keys = torch.cat(
-                [keys[:, :, :sinks], rotate_keys(rope, keys[:, :, sinks:], rotations.rebase)], dim=2
-            )
+            window = rotate_keys(rope, keys[:, :, sinks:], rotations.rebase)
+            keys = torch.cat([keys[:, :, :sinks], window], dim=2)
         if plan.new_sink_index is not None:
             sink_keys, values = _store_sinks(plan.new_sink_index, key_states, value_states, sink_keys, values)
             self._basis = None
         if plan.write_slot is not None:  # decoding: each row's one token into its slot, nothing copied
-            _write(keys, key_states, plan.write_slot)
-            _write(values, value_states, plan.write_slot)
+            for buffer, new in ((keys, key_states), (values, value_states)):
+                if buffer.shape[0] == 1:
+                    buffer.index_copy_(2, plan.write_slot, new)
+                else:  # each row its own slot
+                    buffer.scatter_(2, plan.write_slot.view(-1, 1, 1, 1).expand_as(new), new)
             if sinks:
                 keys[:, :, :sinks] = self._rotated_sinks(rope, sink_keys, rotations.sinks)
         else:
@@ -129,9 +112,7 @@ class SinkCacheLayer(CacheLayerMixin):
         return a * cos.unsqueeze(1) + b * sin.unsqueeze(1)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # transformers then builds a mask over the new tokens only; the step reads their padding from its
-        # diagonal, and the plan builds the real mask (the cache's slots are not a contiguous range).
-        return query_length, self.get_seq_length()
+        return query_length, self.get_seq_length()  # a mask of the new tokens only (see `SinkCache`)
 
     def get_seq_length(self) -> int:
         return 0 if self.slots is None else self.slots.seen
@@ -145,12 +126,10 @@ class SinkCacheLayer(CacheLayerMixin):
 
     def state_dict(self) -> dict[str, Any]:
         """The layer's geometry, tensors and slot record, as tensors and plain values."""
-        geometry = self.geometry
-        state: dict[str, Any] = {"geometry": [geometry.sinks, geometry.window, geometry.local]}
+        state: dict[str, Any] = {"geometry": [self.geometry.sinks, self.geometry.window, self.geometry.local]}
         if self.slots is not None:
-            state.update(keys=self.keys, values=self.values, sink_keys=self.sink_keys)
+            state.update(keys=self.keys, values=self.values, sink_keys=self.sink_keys, seen=self.slots.seen)
             state.update(index=self.slots.index, real_tokens=self.slots.real_tokens, base=self.slots.base)
-            state["seen"] = self.slots.seen
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -163,17 +142,13 @@ class SinkCacheLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError(
-            "SinkCache cannot be cropped: evicted tokens are gone, so it cannot roll back. Assisted or "
-            "speculative decoding needs a cache that can; use DynamicCache for it."
+            "SinkCache cannot be cropped (evicted tokens are gone): use DynamicCache for assisted decoding."
         )
 
     def _select_rows(self, select: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self._basis = None
-        for name in ("keys", "values", "sink_keys"):
-            tensor = getattr(self, name)
-            if tensor is not None:
-                setattr(self, name, select(tensor))
         if self.slots is not None:
+            self.keys, self.values, self.sink_keys = map(select, (self.keys, self.values, self.sink_keys))
             self.slots = self.slots.select_rows(select)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -187,48 +162,31 @@ class SinkCacheLayer(CacheLayerMixin):
 
 
 def _store_sinks(new_sink_index, key_states, value_states, sink_keys, values):
-    """Keep the keys and values of new tokens that are sinks, in their reserved slots."""
-    batch, heads, _, dim = key_states.shape
+    """Keep the keys and values of the new tokens that are sinks in the sinks' slots."""
     sinks = sink_keys.shape[2]
-    # Scatter every new token; non-sinks go to a spare slot past the end, which is dropped.
-    index = new_sink_index.masked_fill(new_sink_index < 0, sinks)[:, None, :, None]
-    spare_keys = torch.cat([sink_keys, sink_keys[:, :, :1]], dim=2)
-    sink_keys = spare_keys.scatter(2, index.expand(batch, heads, -1, dim), key_states)[:, :, :sinks]
-    head_values = torch.cat([values[:, :, :sinks], values[:, :, :1]], dim=2)
-    vindex = index.expand(batch, values.shape[1], -1, values.shape[-1])
-    sink_values = head_values.scatter(2, vindex, value_states)[:, :, :sinks]
-    return sink_keys, torch.cat([sink_values, values[:, :, sinks:]], dim=2)
+    which = new_sink_index[:, None, :] == torch.arange(sinks, device=sink_keys.device)[:, None]  # (B, S, q)
+    came, source = which.any(2)[:, None, :, None], which.to(torch.int8).argmax(2)[:, None, :, None]
 
+    def take(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:  # each slot's new token, where one came
+        return torch.where(came, new.gather(2, source.expand(-1, new.shape[1], -1, new.shape[3])), old)
 
-def _write(buffer: torch.Tensor, new: torch.Tensor, slot: torch.Tensor) -> None:
-    """Write each row's one new token ``(B, H, 1, D)`` into its slot of ``buffer``, in place."""
-    if buffer.shape[0] == 1:
-        buffer.index_copy_(2, slot, new)
-        return
-    index = slot.view(-1, 1, 1, 1).expand(-1, buffer.shape[1], 1, buffer.shape[3])
-    buffer.scatter_(2, index, new)
+    sink_values = take(value_states, values[:, :, :sinks])
+    return take(key_states, sink_keys), torch.cat([sink_values, values[:, :, sinks:]], dim=2)
 
 
 def _doubled(keys: torch.Tensor, values: torch.Tensor, sink_keys: torch.Tensor):
     """A doubled call's keys ``[k, 0]``, then the sinks as stored ``[0, R(i) k]``; values zero-padded alike."""
-    batch, heads, slots, dim = keys.shape
+    dim, sinks = keys.shape[-1], sink_keys.shape[2]
     if values.shape[-1] != dim:
         raise ValueError("SinkCache's chunked path needs keys and values of the same head size.")
-    sinks = sink_keys.shape[2]
-    wide_keys = keys.new_zeros(batch, heads, slots + sinks, 2 * dim)
-    wide_keys[:, :, :slots, :dim] = keys
-    wide_keys[:, :, slots:, dim:] = sink_keys
-    wide_values = values.new_zeros(batch, values.shape[1], slots + sinks, 2 * dim)
-    wide_values[:, :, :slots, :dim] = values
-    wide_values[:, :, slots:, :dim] = values[:, :, :sinks]
-    return wide_keys, wide_values
+    wide_keys = torch.cat([F.pad(keys, (0, dim)), F.pad(sink_keys, (dim, 0))], dim=2)
+    return wide_keys, F.pad(torch.cat([values, values[:, :, :sinks]], dim=2), (0, dim))
 
 
 def _gather_slots(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     if index.dim() == 1:
         return x.index_select(2, index)
-    batch, heads, _, dim = x.shape
-    return x.gather(2, index.view(batch, 1, -1, 1).expand(batch, heads, index.shape[1], dim))
+    return x.gather(2, index[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
 
 
 class SinkCache(Cache):
@@ -236,24 +194,17 @@ class SinkCache(Cache):
 
     Each query sees the first ``sink_tokens`` real tokens of its row and its own last ``window`` real tokens,
     **itself included**, at positions ``0..n-1``; at most ``sink_tokens + window`` tokens are held per layer,
-    however long the stream. In the terms of mit-han-lab/streaming-llm and attention_sinks (``start_size``,
-    ``recent_size``, where the query comes on top of the recent tokens): ``SinkCache(S, W)`` equals
-    ``start_size=S, recent_size=W-1``; build the paper's "4+1020" with
+    however long the stream. In mit-han-lab/streaming-llm's terms (the query comes on top of the recent tokens)
+    ``SinkCache(S, W)`` is ``start_size=S, recent_size=W-1``: the paper's "4+1020" is
     ``SinkCache.from_start_recent(4, 1020)``. Use it with a model patched by `hf_attnscale.patch`:
 
         >>> cache = hfa.SinkCache(sink_tokens=4, window=1020)
         >>> out = model.generate(ids, past_key_values=cache, max_new_tokens=10_000)
 
-    Passing the same cache to the next ``generate`` call continues the stream. Beam search works; assisted
-    decoding raises (a sink cache cannot roll back). One model serves many streams at once, from several
-    threads too: each stream needs a cache of its own, and everything a call needs lives in its cache.
-
-    On models with sliding-window layers (Gemma-2/3, Mistral, Cohere-2), each layer sees what its own mask lets
-    it see in the cache: a local layer of window ``w`` sees its last ``w`` tokens and keeps only those (see
-    `hf_attnscale.streaming.plan`), so any cache size works.
-
-    ``get_seq_length()`` counts the tokens streamed so far (what ``generate()`` expects), not the keys held; each
-    layer's ``keys`` hold at most `capacity` of them.
+    Passing the same cache to the next ``generate`` call continues the stream; ``get_seq_length()`` counts the
+    tokens streamed. Beam search works; assisted decoding raises (a sink cache cannot roll back). One model serves
+    many streams at once, from threads too, each with a cache of its own. A layer with a sliding window of its own
+    (Gemma-2/3, Mistral, Cohere-2) sees what its own mask lets it see in the cache, and keeps only that.
 
     Args:
         sink_tokens: number of initial tokens kept for good (StreamingLLM uses 4); 0 gives window attention.
@@ -271,11 +222,8 @@ class SinkCache(Cache):
 
     @classmethod
     def from_start_recent(cls, start_size: int, recent_size: int) -> SinkCache:
-        """The cache of mit-han-lab/streaming-llm's ``StartRecentKVCache(start_size, recent_size)``.
-
-        There each query sees ``start_size`` initial tokens, ``recent_size`` recent ones and itself:
-        ``SinkCache(start_size, recent_size + 1)``.
-        """
+        """mit-han-lab/streaming-llm's ``StartRecentKVCache(start_size, recent_size)``, where each query sees
+        ``start_size`` initial tokens, ``recent_size`` recent ones and itself: ``SinkCache(start, recent + 1)``."""
         return cls(check_int("start_size", start_size, 0), check_int("recent_size", recent_size, 0) + 1)
 
     def __repr__(self) -> str:
@@ -289,15 +237,13 @@ class SinkCache(Cache):
         shorter than ``window`` holds only its own window, see `hf_attnscale.streaming.plan`)."""
         return self.sink_tokens + self.window
 
-    def layer(self, layer_idx: int, geometry: LayerGeometry | None = None) -> SinkCacheLayer:
-        """The layer ``layer_idx``, created on first use; ``geometry``: what that layer holds and reads (by
-        default, what a global layer does)."""
+    def layer(self, layer_idx: int, geometry: LayerGeometry) -> SinkCacheLayer:
+        """The layer ``layer_idx``, which holds and reads what ``geometry`` says; made on first use."""
         while len(self.layers) <= layer_idx:
-            self.layers.append(SinkCacheLayer(geometry or LayerGeometry(self.sink_tokens, self.window)))
-        layer = self.layers[layer_idx]
-        if geometry is not None and layer.geometry != geometry and layer.slots is None:
-            self.layers[layer_idx] = layer = SinkCacheLayer(geometry)  # made before its module was first seen
-        return layer
+            self.layers.append(SinkCacheLayer(geometry))
+        if self.layers[layer_idx].geometry != geometry and self.layers[layer_idx].slots is None:
+            self.layers[layer_idx] = SinkCacheLayer(geometry)  # made, still empty, with an earlier layer's
+        return self.layers[layer_idx]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
@@ -310,6 +256,7 @@ class SinkCache(Cache):
         return self.layers[layer_idx].update(key_states, value_states, *pending[1:])
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        # A mask of the new tokens only: the step reads their padding from its diagonal; the plan makes the mask.
         return query_length, self.get_seq_length(layer_idx)
 
     def reset(self) -> None:
@@ -320,19 +267,18 @@ class SinkCache(Cache):
         """Everything the stream holds, as tensors and plain values (``torch.save`` writes it; ``torch.load`` reads
         it back with ``weights_only=True``). A fresh ``SinkCache`` of the same size given it by `load_state_dict`
         continues the stream exactly: a server can keep a conversation on disk, a long run can resume."""
+        layers = [layer.state_dict() for layer in self.layers]
         return {
             "format": STATE_FORMAT,
             "sink_tokens": self.sink_tokens,
             "window": self.window,
-            "layers": [layer.state_dict() for layer in self.layers],
+            "layers": layers,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the stream `state_dict` saved, in place of whatever this cache held."""
         if state.get("format") != STATE_FORMAT:
-            raise ValueError(
-                "This state was saved by an earlier hf_attnscale, whose layout differs; restart it."
-            )
+            raise ValueError("This state was saved by an earlier hf_attnscale (another layout); restart it.")
         if (state["sink_tokens"], state["window"]) != (self.sink_tokens, self.window):
             raise ValueError(
                 f"This state is of a SinkCache({state['sink_tokens']}, {state['window']}); this cache is "

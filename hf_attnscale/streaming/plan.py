@@ -5,12 +5,11 @@ the first ``S`` tokens of its row (the sinks) and its own last ``W`` tokens (its
 ``0..n-1`` in stream order. In RoPE's relative terms, a window key of rank ``a_k`` sits at its true distance
 ``a_q - a_k``, and sink ``i`` at ``min(a_q, S + W - 1) - i``.
 
-How keys are stored (`hf_attnscale.streaming.cache`): the module rotates its queries and new keys itself, at
-their rank minus a per-row ``base``, so a new token costs the model's own rotation and the window is never
-re-rotated. The base moves every ``capacity = S + W`` tokens or more (a "rebase", which rotates the stored
-keys back by the move), so positions stay below ``2 * capacity + q`` however long the stream. The sinks are
-kept beside the cache as they came (rotated at their own rank ``i``; the base is 0 then) and rotated into
-reserved slots ``0..S-1`` for each call, by the one offset the call needs. A call is then:
+How keys are stored: the module rotates its queries and new keys itself, at their rank minus a per-row
+``base``, so the window is never re-rotated. The base moves every ``capacity = S + W`` tokens or more (a
+"rebase" rotates the stored keys back by the move), so positions stay below ``2 * capacity + q`` however long
+the stream. The sinks are kept as they came (rotated at their own rank ``i``: the base is 0 then) and rotated
+into reserved slots ``0..S-1`` for each call, by the one offset the call needs. A call is then:
 
 * single: every query of a row sees the sinks at one offset from their true distance (one new token, or a
   chunk whose queries all still see the sinks at their true distance): one attention over the slots;
@@ -18,17 +17,11 @@ reserved slots ``0..S-1`` for each call, by the one offset the call needs. A cal
   ``[R(a_q) q, R(m_q) q]`` with ``m_q = min(a_q, S + W - 1)``, window keys ``[R(a_k) k, 0]``, the sinks at their
   true distance in the reserved slots and once more as ``[0, R(i) k]``; the mask picks each query's copy.
 
-**Layers with a sliding window of their own** (Gemma-2/3's local layers, Mistral's, Cohere-2's) see what the
-model's own mask lets them see with the cache in place of the whole history: a query sits at position
-``m_q = min(a_q, S + W - 1)`` of the cache, and a layer with window ``w`` reads the keys less than ``w``
-positions before it. A window key keeps its true distance, so the layer reads the window keys nearer than
-``min(W, w)``; sink ``i`` sits at ``m_q - i``, so it reads the sinks nearer than ``w`` there. Each layer's
-`LayerGeometry` (`layer_geometry`) holds exactly that, and no more:
-
-* ``w >= S + W``: the layer sees everything a global layer sees, ``(S, W)``;
-* ``w <= W``: it sees no sink once the stream is past them, and its own last ``w`` tokens: a cache of
-  ``(0, w)``, whose memory is its own window;
-* in between: ``(S, W)``, with the sinks further than ``w`` hidden (``local = w``).
+**A layer with a sliding window of its own** (Gemma-2/3, Mistral, Cohere-2) sees what the model's mask lets it
+see in the cache: with a query at ``m_q``, a layer of window ``w`` reads the window keys nearer than
+``min(W, w)`` and the sinks nearer than ``w`` (sink ``i`` sits at ``m_q - i``). Its `LayerGeometry` holds just
+that: ``(S, W)`` when ``w >= S + W``; ``(0, w)`` when ``w <= W`` (no sink once past them, and only its own
+window kept); in between ``(S, W)`` with the sinks further than ``w`` hidden (``local = w``).
 """
 
 from __future__ import annotations
@@ -43,10 +36,8 @@ from .rope import CosSin, RopeTable
 
 @dataclass(frozen=True, eq=False)
 class SlotRecord:
-    """What a layer's slots hold; every layer of one geometry holds the same record between calls.
-
-    A token's *index* is its place among the real (non-padding) tokens of its row: 0, 1, 2, ...
-    """
+    """What a layer's slots hold, the same in every layer of one geometry between calls. A token's *index* is
+    its place among the real (non-padding) tokens of its row: 0, 1, 2, ..."""
 
     index: torch.Tensor  # (B, C): index of the token in each slot, -1 free; slots 0..S-1 are the sinks'
     real_tokens: torch.Tensor  # (B,): real tokens streamed per row
@@ -57,7 +48,7 @@ class SlotRecord:
     def empty(cls, batch: int, sinks: int, device: torch.device) -> SlotRecord:
         """The record of a layer that holds nothing yet."""
         zeros = torch.zeros(batch, dtype=torch.long, device=device)
-        return cls(torch.full((batch, sinks), -1, dtype=torch.long, device=device), zeros, zeros, 0)
+        return cls(zeros[:, None].expand(-1, sinks) - 1, zeros, zeros, 0)
 
     def same_as(self, other: SlotRecord) -> bool:
         """Whether both records hold the same slots."""
@@ -85,8 +76,8 @@ class LayerGeometry:
 
 
 def layer_geometry(sinks: int, window: int, own_window: int | None) -> LayerGeometry:
-    """The geometry of a layer whose own sliding window is ``own_window`` (None: a global layer), in a stream of
-    ``sinks`` sinks and a ``window`` (see the module docstring)."""
+    """The geometry of a layer whose own sliding window is ``own_window`` (None: global) in a stream of ``sinks``
+    sinks and a ``window`` (see the module docstring)."""
     if own_window is None or own_window >= sinks + window:
         return LayerGeometry(sinks, window)
     if own_window <= window:
@@ -106,40 +97,27 @@ class Rotations:
 
 @dataclass(eq=False)
 class StepPlan:
-    """Everything one model call needs that does not depend on the layer's keys; positions are relative to
-    each row's new base."""
+    """Everything one model call needs that does not depend on the layer's keys (positions: from the new base)."""
 
-    before: SlotRecord
     after: SlotRecord
     doubled: bool  # queries see the sinks at different distances (see the module docstring)
     new_positions: torch.Tensor  # (B, q): the new keys and the queries
     sink_offset: torch.Tensor  # (B, 1): the stored sinks' move into their reserved slots
     query_offset: torch.Tensor | None  # (B, q): doubled only: the queries' second half's move
     rebase: torch.Tensor | None  # (B,): rotate the stored window keys back by this much first; None: no move
-    new_sink_index: (
-        torch.Tensor | None
-    )  # (B, q): index of each new token that is a sink, else -1; None: none is
+    new_sink_index: torch.Tensor | None  # (B, q): each new sink's index, else -1; None: no new sink
     write_slot: torch.Tensor | None  # (B,): in place (decoding): the slot each row's one token goes to
     keep_index: torch.Tensor | None  # appending: slots kept after the call (1D, or (B, C') per row)
     mask: torch.Tensor | None  # (B, 1, q, K) additive; None when one query sees every slot
 
     def rotations(self, table: RopeTable) -> Rotations:
-        """cos/sin of each rotation of this call for one layer type's table: the new positions, and every pure
-        move in one call of the table."""
-        moves = [self.sink_offset]
-        moves += [self.query_offset] if self.doubled else []
+        """cos/sin of this call's rotations for one layer type's table (every pure move in one call of it)."""
+        moves = [self.sink_offset, *([self.query_offset] if self.doubled else [])]
         moves += [] if self.rebase is None else [-self.rebase[:, None]]
-        batch = max(m.shape[0] for m in moves)
-        cos, sin = table.relative(torch.cat([m.expand(batch, -1) for m in moves], dim=1))
-        parts = list(
-            zip(cos.split([m.shape[1] for m in moves], 1), sin.split([m.shape[1] for m in moves], 1))
-        )
-        return Rotations(
-            new=table(self.new_positions),
-            sinks=parts[0],
-            query=parts[1] if self.doubled else None,
-            rebase=parts[-1] if self.rebase is not None else None,
-        )
+        cos, sin = table.relative(torch.cat(moves, dim=1))
+        parts = list(zip(*(x.split([m.shape[1] for m in moves], 1) for x in (cos, sin))))
+        query, rebase = parts[1] if self.doubled else None, parts[-1] if self.rebase is not None else None
+        return Rotations(table(self.new_positions), parts[0], query, rebase)
 
 
 def build_plan(
@@ -150,16 +128,10 @@ def build_plan(
     in_place: bool,
     all_valid: bool = False,
 ) -> StepPlan:
-    """Plan one call of ``new_valid.shape[1]`` new tokens for the layers of one geometry (see the module
-    docstring); a decoding step is the call of one token.
-
-    Args:
-        before: what the layers hold.
-        new_valid: ``(B, q)`` bool, False for padding among the new tokens.
-        dtype: the query dtype (of the mask).
-        in_place: whether one token per row may be written into a free slot (no autograd).
-        all_valid: True when ``new_valid`` is known to be all True (it spares a few checks).
-    """
+    """Plan one call of ``new_valid.shape[1]`` new tokens (``new_valid``: False for padding) for the layers of one
+    geometry holding ``before``; a decoding step is the call of one token. ``dtype`` is the mask's; ``in_place``
+    lets one token per row be written into a free slot (no autograd); ``all_valid`` says no new token is
+    padding (it spares a few checks)."""
     sinks, window, capacity = geometry.sinks, geometry.window, geometry.capacity
     q_len = new_valid.shape[1]
     new_index = (before.real_tokens[:, None] + new_valid.long().cumsum(1) - 1).masked_fill(~new_valid, -1)
@@ -167,14 +139,15 @@ def build_plan(
     # The base moves when the newest key would sit more than 2 * capacity past it (rotating the stored keys is
     # O(capacity), so once per capacity tokens or more), to capacity tokens before the call's first new token.
     moving = real_tokens - before.base > 2 * capacity
-    rebase = None
-    base = before.base
-    if bool(moving.any()):
-        base = torch.where(moving, (before.real_tokens - capacity).clamp_min(0), before.base)
-        rebase = base - before.base
-    write_slot = None
-    if in_place and q_len == 1 and (all_valid or bool(new_valid.all())):
-        write_slot = _write_slot(before.index, new_index[:, 0], sinks)
+    base = torch.where(moving, (before.real_tokens - capacity).clamp_min(0), before.base)
+    rebase = base - before.base if bool(moving.any()) else None
+    # Decoding: each row's one token into a slot, a sink into its own, any other into the first free one (when
+    # every row has one; else the call appends and compacts afterwards).
+    free, token, write_slot = before.index[:, sinks:] < 0, new_index[:, 0], None
+    decoding = in_place and q_len == 1 and (all_valid or bool(new_valid.all()))
+    if decoding and bool((free.any(1) | (token < sinks)).all()):
+        first_free = free.to(torch.int8).argmax(1) if free.shape[1] else torch.zeros_like(token)
+        write_slot = torch.where(token < sinks, token, sinks + first_free)
     if write_slot is not None:  # the token goes into its slot: a sink's reserved one, or a free one
         key_index = before.index.scatter(1, write_slot[:, None], new_index)
         query_slot = write_slot[:, None]
@@ -188,41 +161,31 @@ def build_plan(
     doubled = q_len > 1 and sinks > 0 and int(new_index.max()) >= capacity
     # Queries past S + W - 1 see sink i at S + W - 1 - i: further than its true distance by this shift.
     shift = (new_index - (capacity - 1)).clamp_min(0)
-    is_new_sink = (new_index >= 0) & (new_index < sinks)
     oldest = (real_tokens - (window - 1)).clamp_min(0)[:, None]  # older window tokens are evicted
     keep = (torch.arange(key_index.shape[1], device=key_index.device) < sinks) | (key_index >= oldest)
     keep_index, after_index = None, key_index.masked_fill(~keep, -1)
     if write_slot is None:
         keep_index, after_index = _keep_index(keep, key_index, capacity)
-    new_positions = (new_index - base[:, None]).clamp_min(0)
+    new_positions, new_sink = (new_index - base[:, None]).clamp_min(0), (new_index >= 0) & (new_index < sinks)
     visible = _visibility(key_index, new_index, shift, geometry, doubled)
     if not all_valid:  # a padding query sees only itself: discarded, but it must not be NaN (NaN * 0 = NaN)
         padding = (new_index < 0)[:, :, None]
         visible = visible | torch.zeros_like(visible).scatter_(2, query_slot[:, :, None], padding)
+    mask = None  # a decoding query that reads every slot needs none: the backend's fastest path
+    if write_slot is None or not bool(visible.all()):
+        mask = torch.zeros_like(visible, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
     return StepPlan(
-        before=before,
         after=SlotRecord(after_index, real_tokens, base, before.seen + q_len),
         doubled=doubled,
         new_positions=new_positions,
         sink_offset=(-base if doubled else shift.amax(1) - base)[:, None],
         query_offset=new_index.clamp(0, capacity - 1) - new_positions if doubled else None,
         rebase=rebase,
-        new_sink_index=new_index.masked_fill(~is_new_sink, -1) if bool(is_new_sink.any()) else None,
+        new_sink_index=new_index.masked_fill(~new_sink, -1) if bool(new_sink.any()) else None,
         write_slot=write_slot,
         keep_index=keep_index,
-        mask=None if write_slot is not None and bool(visible.all()) else _additive(visible, dtype),
+        mask=mask,
     )
-
-
-def _write_slot(index: torch.Tensor, token: torch.Tensor, sinks: int) -> torch.Tensor | None:
-    """The slot each row's one new token ``token`` (its index) goes to: a sink to its reserved slot, any other to
-    the first free window slot. None when a row has none (then the call appends, and compacts afterwards)."""
-    free = index[:, sinks:] < 0
-    is_sink = token < sinks
-    if not bool((free.any(1) | is_sink).all()):
-        return None
-    first_free = free.to(torch.int8).argmax(1) if free.shape[1] else torch.zeros_like(token)
-    return torch.where(is_sink, token, sinks + first_free)
 
 
 def _visibility(
@@ -246,19 +209,11 @@ def _visibility(
     return in_window | F.pad(sink, (0, key_index.shape[1] - sinks))
 
 
-def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-    return mask.masked_fill_(~visible, torch.finfo(dtype).min).unsqueeze(1)
-
-
 def _keep_index(
     keep: torch.Tensor, key_index: torch.Tensor, capacity: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slots to copy into the new cache tensors (kept ones first, in order), and their indices (-1: spare).
-
-    The new tensors get room to grow (double the kept count, at most ``capacity``), so that the following
-    decoding steps write in place instead of copying the cache every step.
-    """
+    """Slots to copy into the new cache tensors (kept ones first, in order), and their indices (-1: spare). The
+    new tensors get room to grow (twice the kept count, at most ``capacity``): decoding then writes in place."""
     kept = int(keep.sum(1).max())
     size = min(capacity, max(kept + 1, 2 * kept))
     if keep.shape[0] == 1 or bool((keep == keep[:1]).all()):

@@ -1,10 +1,7 @@
-"""What a stream must know of the model it runs on, found once per stream; and every reason a model cannot stream.
-
-This is the one place that decides whether a `SinkCache` can serve a model. A `StreamSpec` (kept by the cache)
-checks the model's family when the stream starts, its backend at every call, and each attention module the
-first time the stream meets it, where it also finds what the module's steps need (`LayerSpec`): the family's
-rotation, the RoPE table, and what the layer holds and reads. `check_streaming_model` asks the same questions
-of a whole model, before a stream starts.
+"""What a stream must know of its model, found once per stream; and the one place that decides whether a
+`SinkCache` can serve a model. A `StreamSpec`, kept by the cache, checks the family when the stream starts, the
+backend at every call, and each attention module when the stream first meets it, where it also finds what the
+module's steps need (`LayerSpec`). `check_streaming_model` asks the same of a whole model.
 """
 
 from __future__ import annotations
@@ -24,34 +21,27 @@ from hf_attnscale.core.state import get_config, state_of
 from hf_attnscale.core.wrappers import unwrap
 
 from .plan import LayerGeometry, layer_geometry
-from .rope import RopeFn, RopeTable, first_dims_rope, length_dependent, no_rotation, pair_rope, rotary_output
+from .rope import RopeFn, RopeTable, family_rotation, length_dependent, no_rotation, rotary_output
 
 STREAMING_BACKENDS = ("eager", "sdpa")
-ROPE_FUNCTION = "apply_rotary_pos_emb"
-"""The name under which an attention forward calls its family's rotation, ``(q, k, cos, sin)``."""
+ROPE_FUNCTION = "apply_rotary_pos_emb"  # the name under which an attention forward calls its family's RoPE
 UNPATCHED_MESSAGE = (
-    "This attention module cannot stream with a SinkCache. SinkCache needs a RoPE decoder patched with "
-    "hfa.patch(model) (with no options it changes nothing else), using eager or sdpa attention; unpatched "
-    "models, encoders and models without RoPE cannot stream."
+    "This attention module cannot stream with a SinkCache, which needs a RoPE decoder patched with hfa.patch(model) "
+    "(with no options it changes nothing else) on eager or sdpa attention; not encoders or models without RoPE."
 )
-_GPTJ = (
-    "GPT-J and CodeGen rotate interleaved pairs with (sin, cos) read from a table of their own, which pos-shift "
-    "does not re-place"
-)
-REFUSED_FAMILIES = {
+_GPTJ = "GPT-J and CodeGen rotate interleaved pairs by a (sin, cos) table of their own, not the model's RoPE"
+REFUSED_FAMILIES = {  # by model_type: why a SinkCache cannot serve the family
     "gpt_oss": "gpt-oss interleaves its RoPE halves (cos/sin of half the head), which pos-shift does not re-place",
     "gptj": _GPTJ,
     "codegen": _GPTJ,
-    "dory": "Dory runs its middle layers in loops, each loop writing its own copy of their cache layers (or "
-    "reading the last loop's keys), which a SinkCache does not hold",
+    "dory": "Dory runs its middle layers in loops, each writing its own copy of their cache, which a SinkCache lacks",
     "beam": "Beam's NoPE layers scale attention by absolute position, with no RoPE to re-place",
     "doge": "Doge builds a dynamic mask from all its cached values, which a window evicts",
     "jetmoe": "JetMoE's mixture-of-attention routes keys through experts of its own",
     "zaya": "ZAYA's attention takes a dict of masks and a convolution state of its own",
-    "falcon_h1": "Falcon-H1 runs a state-space mixer beside every attention layer, whose state a SinkCache does "
-    "not hold",
+    "falcon_h1": "Falcon-H1 runs a state-space mixer beside every attention layer, whose state a SinkCache lacks",
 }
-"""Families a `SinkCache` cannot serve, by ``model_type``, and why."""
+_LATENT = "its multi-head latent attention builds keys from a rotated and an unrotated part computed apart"
 
 
 def check_streaming_model(model: nn.Module) -> None:
@@ -59,37 +49,21 @@ def check_streaming_model(model: nn.Module) -> None:
     root = unwrap(model)
     if get_config(root) is None:
         raise ValueError(UNPATCHED_MESSAGE)
-    modules = attention_modules(root)
+    modules, name = attention_modules(root), f"{type(root).__name__} (model_type {root.config.model_type!r})"
     encoder = not all(getattr(m, "is_causal", True) for m in modules)
     if encoder or not all(takes_position_embeddings(m) for m in modules):
         what = "an encoder" if encoder else "a decoder whose attention takes no RoPE position_embeddings"
-        raise ValueError(
-            f"SinkCache needs a RoPE decoder; {type(root).__name__} (model_type "
-            f"{root.config.model_type!r}) is {what}."
-        )
-    _raise(family_refusal(root.config))
+        raise ValueError(f"SinkCache needs a RoPE decoder; {name} is {what}.")
+    _check_family(root.config)
     layers = getattr(root.config.get_text_config(), "num_hidden_layers", None)
     if isinstance(layers, int) and len(modules) < layers:
         raise ValueError(
-            f"SinkCache cannot stream this {type(root).__name__} (model_type {root.config.model_type!r}): only "
-            f"{len(modules)} of its {layers} layers are attention; the others (recurrent, linear attention or "
-            "state-space layers) keep a state of their own that a SinkCache does not hold."
+            f"SinkCache cannot stream this {name}: only {len(modules)} of its {layers} layers are attention; the "
+            "others (recurrent, linear attention or state-space layers) keep a state a SinkCache does not hold."
         )
     for module in modules:
-        _raise(_module_refusal(module))
+        _check_module(module)
     check_backend(root.config._attn_implementation)
-
-
-def family_refusal(model_config: Any) -> str | None:
-    """Why a `SinkCache` cannot serve this model family (from its config alone), or None."""
-    model_type = getattr(model_config, "model_type", None)
-    reason = REFUSED_FAMILIES.get(model_type)
-    if reason is None and getattr(model_config, "kv_lora_rank", None) is not None:
-        reason = (
-            "its multi-head latent attention builds keys from a rotated and an unrotated part computed apart, "
-            "which pos-shift cannot re-place inside the cache"
-        )
-    return None if reason is None else f"SinkCache cannot stream model_type {model_type!r}: {reason}."
 
 
 def check_backend(attn_implementation: str | None) -> None:
@@ -102,35 +76,37 @@ def check_backend(attn_implementation: str | None) -> None:
         )
 
 
-def _module_refusal(module: nn.Module) -> str | None:
-    """Why this attention module cannot stream, as far as its code and the patch tell (None: it can)."""
+def _check_family(model_config: Any) -> None:
+    model_type = getattr(model_config, "model_type", None)
+    reason = REFUSED_FAMILIES.get(model_type)
+    if reason is None and getattr(model_config, "kv_lora_rank", None) is not None:
+        reason = _LATENT
+    if reason is not None:
+        raise ValueError(f"SinkCache cannot stream model_type {model_type!r}: {reason}.")
+
+
+def _check_module(module: nn.Module) -> None:
+    """Refuse an attention module as far as its code and the patch tell."""
     if state_of(module) is None:
-        return UNPATCHED_MESSAGE
+        raise ValueError(UNPATCHED_MESSAGE)
     if rotary_of(module) is None:
-        return (
-            f"SinkCache cannot find the one rotary embedding module that feeds {type(module).__name__} (none, or "
-            "several to choose between), so it cannot place keys inside the cache."
+        raise ValueError(
+            f"SinkCache cannot find the one rotary embedding that feeds {type(module).__name__} (none, or several "
+            "to choose between), so it cannot place keys inside the cache."
         )
     if _family_rope(module) is None:
-        return (
-            f"SinkCache cannot stream {type(module).__name__}: its forward does not rotate by the family's "
-            f"{ROPE_FUNCTION}(q, k, cos, sin), which pos-shift re-places keys with."
+        raise ValueError(
+            f"SinkCache cannot stream {type(module).__name__}: its forward does not rotate by its family's "
+            f"{ROPE_FUNCTION}(q, k, cos, sin), with which pos-shift re-places keys."
         )
-    return None
 
 
 def _family_rope(module: nn.Module) -> Any:
     """The rotation the module's forward calls, where Python finds it: in the forward's own globals."""
     forward = inspect.unwrap(type(module).forward)
-    code = getattr(forward, "__code__", None)
-    if code is None or ROPE_FUNCTION not in code.co_names:
+    if ROPE_FUNCTION not in getattr(getattr(forward, "__code__", None), "co_names", ()):
         return None
     return forward.__globals__.get(ROPE_FUNCTION)
-
-
-def _raise(reason: str | None) -> None:
-    if reason is not None:
-        raise ValueError(reason)
 
 
 @dataclass(frozen=True)
@@ -144,16 +120,11 @@ class LayerSpec:
 
 
 class StreamSpec:
-    """What one stream knows of its model, found once: the family checked when it starts, each layer when the
-    stream first meets it.
-
-    Args:
-        model_config: the model's config (the stream's first call reads it).
-        sinks, window: the stream's cache size.
-    """
+    """What one stream knows of its model (``model_config``, checked here), found once; ``sinks`` and ``window``
+    are the stream's cache size."""
 
     def __init__(self, model_config: Any, sinks: int, window: int) -> None:
-        _raise(family_refusal(model_config))
+        _check_family(model_config)
         self.model_config, self.sinks, self.window = model_config, sinks, window
         self.tables: dict[str | None, RopeTable] = {}  # by layer type (Gemma-3's sliding / full layers)
         self.layers: dict[int, LayerSpec] = {}
@@ -163,72 +134,64 @@ class StreamSpec:
         check_backend(self.model_config._attn_implementation)
 
     def layer(self, module: nn.Module, hidden_states: torch.Tensor, kwargs: dict) -> LayerSpec:
-        """The `LayerSpec` of ``module``, found at its first call (``hidden_states`` and ``kwargs`` are that
-        call's); raises ValueError, saying why, if the module cannot stream."""
-        found = self.layers.get(module.layer_idx)
-        if found is None:
-            found = self.layers[module.layer_idx] = self._find(module, hidden_states, kwargs)
-        return found
+        """The `LayerSpec` of ``module``, found at its first call (whose ``hidden_states`` and ``kwargs`` these are);
+        raises ValueError, saying why, if the module cannot stream."""
+        if module.layer_idx not in self.layers:
+            _check_module(module)
+            rotary, layer_type = rotary_of(module)
+            if layer_type not in self.tables:
+                self.tables[layer_type] = self._table(module, rotary, layer_type, hidden_states)
+            table = self.tables[layer_type]
+            rope = family_rotation(_family_rope(module), table.width)
+            if not _applies_rope(module, hidden_states, table.width, kwargs):
+                rope = no_rotation
+            # Qwen2/3, Gemma-2/3 and Cohere-2 keep a sliding window per layer (None on global layers); Mistral
+            # and Phi-3 in the config. 0 is none (Qwen2-MoE's full layers).
+            own = getattr(module, "sliding_window", getattr(module.config, "sliding_window", None))
+            geometry = layer_geometry(self.sinks, self.window, own or None)
+            self.layers[module.layer_idx] = LayerSpec(rope, table, geometry)
+        return self.layers[module.layer_idx]
 
-    def _find(self, module: nn.Module, hidden_states: torch.Tensor, kwargs: dict) -> LayerSpec:
-        _raise(_module_refusal(module))
-        rotary, layer_type = rotary_of(module)
-        if layer_type not in self.tables:
-            at_zero = torch.zeros(1, 1, dtype=torch.long, device=hidden_states.device)
-            output = rotary_output(rotary, layer_type, hidden_states, at_zero)
-            if not (isinstance(output, tuple) and len(output) == 2):
-                raise ValueError(
-                    f"SinkCache cannot stream {type(module).__name__}: its RoPE is not a (cos, sin) pair (complex "
-                    "frequencies, as in Llama-4 and DeepSeek-V2), so pos-shift cannot re-place its keys."
-                )
-            table = RopeTable(rotary, layer_type, hidden_states, self.sinks + self.window)
-            if not table.exact and length_dependent(rotary):
-                raise ValueError(
-                    f"SinkCache cannot fix the frequencies of this model's {rotary.rope_type} RoPE "
-                    f"({type(rotary).__name__} does not compute cos/sin from inv_freq in the usual layout), so its "
-                    "keys could not stay rotated between calls. Stream it with a static rope type."
-                )
-            self.tables[layer_type] = table
-        table = self.tables[layer_type]
-        rotates = _applies_rope(module, hidden_states, table.width, kwargs)
-        rope = first_dims_rope(pair_rope(_family_rope(module)), table.width) if rotates else no_rotation
-        return LayerSpec(rope, table, layer_geometry(self.sinks, self.window, _own_sliding_window(module)))
-
-
-def _own_sliding_window(module: nn.Module) -> int | None:
-    """The layer's own sliding window (its queries see themselves and the ``w - 1`` tokens before), or None."""
-    # Qwen2/3, Gemma-2/3 and Cohere-2 keep the window per layer (None on global layers); Mistral and Phi-3 read
-    # the config. 0 is no window (Qwen2-MoE keeps 0 on full layers).
-    if hasattr(module, "sliding_window"):
-        return module.sliding_window or None
-    return getattr(module.config, "sliding_window", None) or None
+    def _table(
+        self, module: nn.Module, rotary: nn.Module, layer_type: str | None, like: torch.Tensor
+    ) -> RopeTable:
+        at_zero = torch.zeros(1, 1, dtype=torch.long, device=like.device)
+        output = rotary_output(rotary, layer_type, like, at_zero)
+        if not (isinstance(output, tuple) and len(output) == 2):
+            raise ValueError(
+                f"SinkCache cannot stream {type(module).__name__}: its RoPE is not a (cos, sin) pair (complex "
+                "frequencies, as in Llama-4 and DeepSeek-V2), so pos-shift cannot re-place its keys."
+            )
+        table = RopeTable(rotary, layer_type, like, self.sinks + self.window)
+        if not table.exact and length_dependent(rotary):
+            raise ValueError(
+                f"SinkCache cannot fix the frequencies of this model's {rotary.rope_type} RoPE "
+                f"({type(rotary).__name__} does not compute cos/sin from inv_freq in the usual layout), so its keys "
+                "could not stay rotated between calls. Stream it with a static rope type."
+            )
+        return table
 
 
 def _applies_rope(module: nn.Module, hidden_states: torch.Tensor, width: int, kwargs: dict) -> bool:
     """Whether the layer applies RoPE at all: NoPE layers (Cohere-2's global ones, SmolLM3's) decide it in their
     own code, which no config field states for every family. So the module runs once, on one token, with a zero
     rotation (cos = sin = 0): the keys it hands its cache vanish in the rotary dims exactly when it rotates."""
-    probe = hidden_states[:1, :1].detach()
+    probe, recorder = hidden_states[:1, :1].detach(), DynamicCache()
     zero = probe.new_zeros(1, 1, width)
-    recorder = DynamicCache()
+    arguments = {"hidden_states": probe, "position_embeddings": (zero, zero), "attention_mask": None}
+    arguments |= {
+        cache_argument(module): recorder,
+        **token_slice(kwargs, hidden_states.shape[1], slice(0, 1), slice(0, 1)),
+    }
     with torch.no_grad(), gate_input(module, probe):
-        type(module).forward(
-            module,
-            hidden_states=probe,
-            position_embeddings=(zero, zero),
-            attention_mask=None,
-            **{cache_argument(module): recorder},
-            **token_slice(kwargs, hidden_states.shape[1], slice(0, 1), rows=slice(0, 1)),
-        )
+        type(module).forward(module, **arguments)
     return not bool(recorder.layers[module.layer_idx].keys[..., :width].any())
 
 
 def token_slice(kwargs: dict, q_len: int, tokens: slice, rows: slice = slice(None)) -> dict:
     """``kwargs`` with each per-token tensor (last dim ``q_len``: Ministral-3's ``position_ids``) cut to
     ``tokens`` (and ``rows``), for a call on part of the chunk."""
-    return {
-        name: value[rows, ..., tokens]
-        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[-1] == q_len
-        else value
-        for name, value in kwargs.items()
-    }
+    cut = [
+        n for n, v in kwargs.items() if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[-1] == q_len
+    ]
+    return {**kwargs, **{name: kwargs[name][rows, ..., tokens] for name in cut}}

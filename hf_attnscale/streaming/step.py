@@ -1,12 +1,12 @@
 """One attention module's step through a `SinkCache`: the module's own forward, run under the call's plan.
 
 A patched RoPE attention module hands its step to the cache (`hf_attnscale.core.routing`), which runs
-`attention_step`: the module's class forward, given the plan's cos/sin in place of the model's, so that it
-rotates its queries and new keys at their positions inside the cache, and the plan's mask. The cache's
-`update` stores the keys and returns every key the queries read. When queries of one chunk see the sinks at
-different distances (the plan is doubled, see `hf_attnscale.streaming.plan`), the call's query hook gives each
-query its second half and the output hook drops the padding of the doubled head. The attention function is
-the core's wrapper, so log-n scaling (n counted from the plan's mask) and the exit compose with no special case.
+`attention_step`: the module's class forward, given the plan's cos/sin in place of the model's (so it rotates
+its queries and new keys at their positions inside the cache) and the plan's mask. The cache's ``update``
+stores the keys and returns every key the queries read. When queries of one chunk see the sinks at different
+distances (a doubled plan, `hf_attnscale.streaming.plan`), the call's query hook gives each query its second
+half and its output hook drops the doubled head's padding. The attention function is the core's wrapper, so
+log-n scaling (n counted from the plan's mask) and the exit compose with no special case.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from transformers.cache_utils import Cache
 from hf_attnscale.core.hooks import CallHooks
 from hf_attnscale.core.routing import cache_argument, forward_with_hooks
 
-from .plan import LayerGeometry, Rotations, SlotRecord, StepPlan, build_plan
-from .rope import CosSin, RopeFn, rotate_queries
+from .plan import Rotations, SlotRecord, StepPlan, build_plan
+from .rope import CosSin, RopeFn
 from .spec import LayerSpec, StreamSpec, token_slice
 
 PIECE_TOKENS = 1024
@@ -31,14 +31,13 @@ _NO_HOOKS = CallHooks()
 
 @dataclass
 class Call:
-    """One model call through the cache, from its first attention layer to its last; the next call starts
-    afresh, so nothing of it outlives the call."""
+    """One model call through the cache, from its first attention layer to its last (the next call starts anew)."""
 
     first_layer: int
     new_valid: torch.Tensor  # (B, q): which new tokens are real
     all_valid: bool
-    plans: dict[tuple[LayerGeometry, int], StepPlan] = field(default_factory=dict)  # by geometry, piece start
-    rotations: dict[tuple[LayerGeometry, int, str | None], Rotations] = field(default_factory=dict)
+    # each piece's plan and rotations, by the layers' geometry, the piece's start and the layers' RoPE type
+    plans: dict[tuple, tuple[StepPlan, Rotations]] = field(default_factory=dict)
     pending: tuple[int, StepPlan, Rotations, RopeFn] | None = None  # what the running layer's update does
 
 
@@ -51,31 +50,32 @@ def attention_step(
     past_key_values: Cache | None = None,
     **kwargs,
 ):
-    """One attention module's step over ``hidden_states`` (B, q, hidden), with pos-shift through ``cache``.
-
-    The model's ``position_embeddings`` are not used: the plan's positions replace them.
-    """
-    if cache.call is None or module.layer_idx <= cache.call.first_layer:  # a new model call
-        cache.call = _begin(cache, module, hidden_states, attention_mask)
-    call = cache.call
-    spec = cache.spec.layer(module, hidden_states, kwargs)
+    """One attention module's step over ``hidden_states`` (B, q, hidden) through ``cache``, a `SinkCache`; the
+    plan's positions replace the model's ``position_embeddings``."""
+    if cache.call is None or module.layer_idx <= cache.call.first_layer:  # a new model call: its first layer
+        if cache.spec is None:  # the stream's first call
+            cache.spec = StreamSpec(module.config.model_config, cache.sink_tokens, cache.window)
+        cache.spec.check_call()
+        new_valid = new_token_validity(attention_mask, *hidden_states.shape[:2], hidden_states.device)
+        cache.call = Call(module.layer_idx, new_valid, attention_mask is None or bool(new_valid.all()))
+    call, spec = cache.call, cache.spec.layer(module, hidden_states, kwargs)
     layer = cache.layer(module.layer_idx, spec.geometry)
     q_len, outputs, weights = hidden_states.shape[1], [], None
     for start in range(0, q_len, PIECE_TOKENS):
         # A long prompt: this layer's queries in pieces, each reading the cache the previous piece left.
         # Exact (a token's output depends only on earlier tokens); memory stays O(piece x (S + W + piece)).
-        piece = slice(start, start + PIECE_TOKENS)
+        piece, whole = slice(start, start + PIECE_TOKENS), q_len <= PIECE_TOKENS
         plan, rotations = _planned(call, layer, spec, start, hidden_states.dtype)
         call.pending = (module.layer_idx, plan, rotations, spec.rope)
         try:
             out, weights = forward_with_hooks(
                 module,
                 _doubled_hooks(spec.rope, rotations) if plan.doubled else _NO_HOOKS,
-                hidden_states=hidden_states[:, piece] if q_len > PIECE_TOKENS else hidden_states,
+                hidden_states=hidden_states if whole else hidden_states[:, piece],
                 position_embeddings=rotations.new,
                 attention_mask=plan.mask,
                 **{cache_argument(module): cache},
-                **(token_slice(kwargs, q_len, piece) if q_len > PIECE_TOKENS else kwargs),
+                **(kwargs if whole else token_slice(kwargs, q_len, piece)),
             )
         finally:
             call.pending = None
@@ -86,9 +86,9 @@ def attention_step(
 def _planned(
     call: Call, layer, spec: LayerSpec, start: int, dtype: torch.dtype
 ) -> tuple[StepPlan, Rotations]:
-    """The plan of the piece from ``start`` for the layers of this geometry, built by the first of them, and its
-    rotations for this layer's table."""
-    key = (spec.geometry, start)
+    """The plan of the piece from ``start`` for the layers of this geometry (the first of them builds it), and
+    its rotations for this layer's table."""
+    key = (spec.geometry, start, spec.table.layer_type)
     if key not in call.plans:
         new_valid = call.new_valid[:, start : start + PIECE_TOKENS]
         slots = layer.slots or SlotRecord.empty(new_valid.shape[0], spec.geometry.sinks, new_valid.device)
@@ -98,38 +98,16 @@ def _planned(
                 f"{new_valid.shape[0]}; use one cache per batch (or cache.reset())."
             )
         # Writing into the cache in place would break autograd's saved tensors; it pays off when decoding.
-        in_place = not torch.is_grad_enabled()
-        call.plans[key] = build_plan(slots, new_valid, spec.geometry, dtype, in_place, call.all_valid)
-    if (*key, spec.table.layer_type) not in call.rotations:
-        call.rotations[(*key, spec.table.layer_type)] = call.plans[key].rotations(spec.table)
-    return call.plans[key], call.rotations[(*key, spec.table.layer_type)]
-
-
-def _begin(cache: Cache, module: nn.Module, hidden_states: torch.Tensor, mask: torch.Tensor | None) -> Call:
-    """A new model call (its first attention layer): the stream's spec, the backend, the padding of the new
-    tokens (read from the mask transformers built for them, the same for every layer)."""
-    if cache.spec is None:
-        cache.spec = StreamSpec(module.config.model_config, cache.sink_tokens, cache.window)
-    cache.spec.check_call()
-    batch, q_len = hidden_states.shape[:2]
-    new_valid = new_token_validity(mask, batch, q_len, hidden_states.device)
-    all_valid = mask is None or bool(new_valid.all())
-    if not all_valid and not bool(new_valid.any()):
-        raise ValueError(
-            "The attention_mask marks every new token as padding. With a cache, pass a 2D attention_mask "
-            "that covers the past and the new tokens, (batch, past + new), as generate() does; or none."
-        )
-    return Call(module.layer_idx, new_valid, all_valid)
+        plan = build_plan(slots, new_valid, spec.geometry, dtype, not torch.is_grad_enabled(), call.all_valid)
+        call.plans[key] = (plan, plan.rotations(spec.table))
+    return call.plans[key]
 
 
 def new_token_validity(
     mask: torch.Tensor | None, batch: int, q_len: int, device: torch.device
 ) -> torch.Tensor:
-    """``(B, q)`` bool: which new tokens are real, read from the mask transformers built for them.
-
-    `SinkCache.get_mask_sizes` makes that mask cover the new tokens only: ``(B|1, 1, q, q)``, causal and
-    padded, so its diagonal is exactly the padding of the new tokens (None: no padding).
-    """
+    """``(B, q)`` bool: which new tokens are real, read from the mask transformers built for them: it covers the
+    new tokens only (`SinkCache.get_mask_sizes`), ``(B|1, 1, q, q)``, so its diagonal is their padding."""
     if mask is None:
         return torch.ones(batch, q_len, dtype=torch.bool, device=device)
     if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-2:] != (q_len, q_len):
@@ -138,15 +116,19 @@ def new_token_validity(
             f"{type(mask).__name__} of shape {tuple(getattr(mask, 'shape', ()))}."
         )
     diagonal = mask[:, 0].diagonal(dim1=-2, dim2=-1)
-    if diagonal.dtype != torch.bool:
-        diagonal = diagonal > torch.finfo(diagonal.dtype).min / 2
-    return diagonal.expand(batch, q_len).to(device)
+    real = diagonal if diagonal.dtype == torch.bool else diagonal > torch.finfo(diagonal.dtype).min / 2
+    if not bool(real.any()):
+        raise ValueError(
+            "The attention_mask marks every new token as padding. With a cache, pass a 2D attention_mask "
+            "that covers the past and the new tokens, (batch, past + new), as generate() does; or none."
+        )
+    return real.expand(batch, q_len).to(device)
 
 
 def _doubled_hooks(rope: RopeFn, rotations: Rotations) -> CallHooks:
     """A doubled call's hooks: each query ``[q, q moved to m_q]``, and the output's padding dropped."""
     return CallHooks(
-        query=lambda q: torch.cat([q, rotate_queries(rope, q, rotations.query)], dim=-1),
+        query=lambda q: torch.cat([q, rope(q, q[:, :1], *rotations.query)[0]], dim=-1),
         # values were zero-padded to 2D; contiguous, as some families .view() the output
         output=lambda out: out[..., : out.shape[-1] // 2].contiguous(),
     )
