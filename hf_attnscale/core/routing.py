@@ -1,7 +1,7 @@
 """A patched RoPE attention module's forward: its own, unless the cache runs the attention step itself.
 
 StreamingLLM's pos-shift must place keys and queries at positions inside the cache, which only the cache
-knows, and it must see the keys before RoPE. So a patched module that takes RoPE's ``position_embeddings``
+knows. So a patched module that takes RoPE's ``position_embeddings``
 gets this per-instance forward: when the ``past_key_values`` it is called with has an ``attention_step``
 method (`hf_attnscale.SinkCache` has), that method runs the step, calling the class's forward as it needs;
 otherwise the class's forward runs unchanged. The core never imports the streaming layer: this attribute, the

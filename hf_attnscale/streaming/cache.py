@@ -253,7 +253,7 @@ class SinkCache(Cache):
         pending = None if self.call is None else self.call.pending
         if pending is None or pending[0] != layer_idx:
             raise ValueError(UNPATCHED_MESSAGE)
-        return self.layers[layer_idx].update(key_states, value_states, *pending[1:])
+        return self.layer(layer_idx, pending[1].geometry).update(key_states, value_states, *pending[1:])
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         # A mask of the new tokens only: the step reads their padding from its diagonal; the plan makes the mask.

@@ -99,6 +99,7 @@ class Rotations:
 class StepPlan:
     """Everything one model call needs that does not depend on the layer's keys (positions: from the new base)."""
 
+    geometry: LayerGeometry  # of the layers it plans for
     after: SlotRecord
     doubled: bool  # queries see the sinks at different distances (see the module docstring)
     new_positions: torch.Tensor  # (B, q): the new keys and the queries
@@ -175,6 +176,7 @@ def build_plan(
     if write_slot is None or not bool(visible.all()):
         mask = torch.zeros_like(visible, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
     return StepPlan(
+        geometry=geometry,
         after=SlotRecord(after_index, real_tokens, base, before.seen + q_len),
         doubled=doubled,
         new_positions=new_positions,

@@ -59,13 +59,12 @@ def attention_step(
         new_valid = new_token_validity(attention_mask, *hidden_states.shape[:2], hidden_states.device)
         cache.call = Call(module.layer_idx, new_valid, attention_mask is None or bool(new_valid.all()))
     call, spec = cache.call, cache.spec.layer(module, hidden_states, kwargs)
-    layer = cache.layer(module.layer_idx, spec.geometry)
     q_len, outputs, weights = hidden_states.shape[1], [], None
     for start in range(0, q_len, PIECE_TOKENS):
         # A long prompt: this layer's queries in pieces, each reading the cache the previous piece left.
         # Exact (a token's output depends only on earlier tokens); memory stays O(piece x (S + W + piece)).
         piece, whole = slice(start, start + PIECE_TOKENS), q_len <= PIECE_TOKENS
-        plan, rotations = _planned(call, layer, spec, start, hidden_states.dtype)
+        plan, rotations = _planned(call, cache, module.layer_idx, spec, start, hidden_states.dtype)
         call.pending = (module.layer_idx, plan, rotations, spec.rope)
         try:
             out, weights = forward_with_hooks(
@@ -84,14 +83,15 @@ def attention_step(
 
 
 def _planned(
-    call: Call, layer, spec: LayerSpec, start: int, dtype: torch.dtype
+    call: Call, cache: Cache, layer_idx: int, spec: LayerSpec, start: int, dtype: torch.dtype
 ) -> tuple[StepPlan, Rotations]:
-    """The plan of the piece from ``start`` for the layers of this geometry (the first of them builds it), and
-    its rotations for this layer's table."""
+    """The plan of the piece from ``start`` for the layers of this geometry (the first of them builds it, from
+    what its cache layer holds), and its rotations for this layer's table."""
     key = (spec.geometry, start, spec.table.layer_type)
     if key not in call.plans:
         new_valid = call.new_valid[:, start : start + PIECE_TOKENS]
-        slots = layer.slots or SlotRecord.empty(new_valid.shape[0], spec.geometry.sinks, new_valid.device)
+        slots = cache.layers[layer_idx].slots if layer_idx < len(cache.layers) else None
+        slots = slots or SlotRecord.empty(new_valid.shape[0], spec.geometry.sinks, new_valid.device)
         if slots.real_tokens.shape[0] != new_valid.shape[0]:
             raise ValueError(
                 f"This SinkCache holds a batch of {slots.real_tokens.shape[0]} streams but got "
