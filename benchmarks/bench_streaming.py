@@ -21,6 +21,18 @@ On the CPU (the defaults):
     python benchmarks/bench_streaming.py quality      # the four methods on real text (shipped tiny model)
     python benchmarks/bench_streaming.py local        # Gemma-3-270M at 4+2044 vs 4+508: local layers' memory
 
+On the real SmolLM2-135M (``--shape smollm2-135m`` also runs the commands above on it), issue #45's three numbers,
+each code version in fresh processes, interleaved: decode per token with ``SinkCache(4, 1020)`` past 8k tokens
+against a ``DynamicCache`` holding 1,024; chunked streaming perplexity over 16k tokens; and that stream against
+one dense forward of the same tokens. ``--code`` names each version's source folder (a ``git worktree``):
+
+    git worktree add /tmp/hfa-old 17ec512    # the streaming code before issue #45
+    python benchmarks/bench_streaming.py checkpoint --repeats 5 --code old=/tmp/hfa-old --code new=.
+
+The report gives each later version against the first (``new / old``); ``--tokens``, ``--decode-at``,
+``--dynamic-at``, ``--steps`` and ``--rounds`` change the sizes (a smoke run: ``--tokens 64 --decode-at 80
+--dynamic-at 32 --steps 2 --rounds 1 --repeats 1``).
+
 Each prints a Markdown block for benchmarks/RESULTS.md. Threads: ``--threads`` (default 1, so that numbers
 are stable on a shared 2-core machine). Every ratio compares numbers measured in the same run.
 """
@@ -30,16 +42,19 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import platform
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import transformers
-from bench_overhead import SHAPES, build_model as build_shape
+from bench_overhead import REAL, SHAPES, build_model as build_shape
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, StoppingCriteria
 
 import hf_attnscale as hfa
@@ -415,19 +430,153 @@ def local(args) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------
+def _checkpoint_child(args) -> None:
+    """In a fresh process, with the code version on PYTHONPATH: one part of `checkpoint`, printed as JSON."""
+    torch.set_num_threads(args.threads)
+    model = build_model(args)
+    ids = torch.load(args.ids).to(args.device)
+    if args.part == "decode":  # interleaved rounds of greedy steps; the DynamicCache is cut back after each
+        caches = {"sink": (hfa.SinkCache(SINKS, WINDOW), args.decode_at), "dynamic": (None, args.dynamic_at)}
+        streams, gaps = {}, {name: [] for name in caches}
+        for name, (cache, position) in caches.items():
+            cache = cache or DynamicCache(config=model.config)
+            streams[name] = [
+                cache,
+                model.generate(ids[None, : position - 1], past_key_values=cache, **_greedy(1)),
+            ]
+        for _ in range(args.rounds):
+            for name, (_, position) in caches.items():
+                cache, sequence = streams[name]
+                clock = _StepClock()
+                sequence = model.generate(
+                    sequence, past_key_values=cache, stopping_criteria=[clock], **_greedy(args.steps + 1)
+                )
+                gaps[name] += [b - a for a, b in itertools.pairwise(clock.times)]
+                if name == "dynamic":
+                    cache.crop(position - 1 - cache.get_seq_length())  # negative: the tokens to drop
+                    sequence = sequence[:, :position]
+                streams[name][1] = sequence
+        result = {f"{name}_ms": 1000 * statistics.median(gaps[name]) for name in caches}
+    else:
+        stream = args.part == "stream"
+        options = {"cache": hfa.SinkCache(SINKS, WINDOW)} if stream else {"method": "dense"}
+        chunk = args.chunk_size if stream else args.tokens  # dense: one forward of every token
+        out = hfa.perplexity(model, ids[: args.tokens + 1], chunk_size=chunk, progress=False, **options)
+        result = {"seconds": out.seconds, "nll": float(out.nll.mean())}
+    print(json.dumps(result))
+
+
+def checkpoint(args) -> str:
+    """Issue #45's numbers on a real checkpoint, for each ``--code`` version, in fresh processes, interleaved."""
+    from transformers import AutoTokenizer
+
+    from hf_attnscale.evaluation.corpus import builtin_documents
+    from hf_attnscale.evaluation.long_texts import joined_documents
+
+    tokenizer = AutoTokenizer.from_pretrained(hfa.fetch(args.shape))
+    need = max(args.tokens + 1, args.decode_at)
+    text = joined_documents(builtin_documents("heldout"), tokenizer, need)[0].text
+    ids = torch.tensor(tokenizer(text)["input_ids"][:need])
+    codes = dict(code.split("=", 1) for code in args.code)
+    runs: dict[tuple[str, str], list[dict]] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        torch.save(ids, Path(folder) / "ids.pt")
+
+        def child(label: str, part: str) -> dict:
+            env = {
+                **os.environ,
+                "PYTHONPATH": str(Path(codes[label]).resolve()),
+                "OMP_NUM_THREADS": str(args.threads),
+            }
+            flags = ["--part", part, "--ids", str(Path(folder) / "ids.pt"), "--shape", args.shape]
+            flags += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in CHILD_FLAGS]
+            command = [sys.executable, __file__, "_checkpoint_child", *flags]
+            done = subprocess.run(command, capture_output=True, text=True, env=env)
+            if done.returncode:
+                raise RuntimeError(f"{label} {part} failed:\n{done.stderr[-3000:]}")
+            out = done.stdout
+            runs.setdefault((label, part), []).append(json.loads(out.strip().splitlines()[-1]))
+            print(f"{label} {part}: {runs[label, part][-1]}", flush=True)
+            return runs[label, part][-1]
+
+        for _ in range(args.repeats):
+            for label in codes:
+                for part in ("decode", "stream"):
+                    child(label, part)
+            child(next(iter(codes)), "dense")  # the dense forward reads no streaming code
+    dense = statistics.median(r["seconds"] for r in runs[next(iter(codes)), "dense"])
+    lines = [
+        f"{args.shape}, `SinkCache({SINKS}, {WINDOW})`, medians of {args.repeats} runs, each in a fresh process, the "
+        f"versions interleaved; {len(ids):,} tokens of held-out stdlib text. {setup(args)}.",
+        "",
+        f"| code | decode ms/token: Sink at {args.decode_at:,} | DynamicCache at {args.dynamic_at:,} | ratio (goal <= "
+        f"1.05) | stream of {args.tokens:,} in chunks of {args.chunk_size} (s) | / dense forward ({dense:.1f} s; "
+        "goal < 1) | mean NLL |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    medians: dict[str, dict[str, float]] = {}
+    for label in codes:
+        decode, stream = runs[label, "decode"], runs[label, "stream"]
+        medians[label] = {k: statistics.median(r[f"{k}_ms"] for r in decode) for k in ("sink", "dynamic")}
+        medians[label]["stream"] = statistics.median(r["seconds"] for r in stream)
+        ratio = statistics.median(r["sink_ms"] / r["dynamic_ms"] for r in decode)  # each run's own ratio
+        lines.append(
+            f"| {label} (`{codes[label]}`) | {medians[label]['sink']:.2f} | {medians[label]['dynamic']:.2f} | "
+            f"**{ratio:.3f}** | {medians[label]['stream']:.1f} | **{medians[label]['stream'] / dense:.3f}** | "
+            f"{statistics.median(r['nll'] for r in stream):.4f} |"
+        )
+    first, *others = codes
+    lines += [
+        f"\n{label} / {first}: decode with SinkCache **{medians[label]['sink'] / medians[first]['sink']:.3f}**, "
+        f"chunked stream **{medians[label]['stream'] / medians[first]['stream']:.3f}** (goal: within 5%)."
+        for label in others
+    ]
+    lines += ["", "Runs: " + "; ".join(f"{label} {part} {values}" for (label, part), values in runs.items())]
+    return "\n".join(lines)
+
+
+CHILD_FLAGS = (
+    "threads",
+    "device",
+    "dtype",
+    "tokens",
+    "chunk_size",
+    "decode_at",
+    "dynamic_at",
+    "steps",
+    "rounds",
+)
+"""The `checkpoint` settings its child processes take."""
+
+
+# ---------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("throughput", "memory", "latency", "quality", "local", "_memory_child"):
+    for name in (
+        "throughput",
+        "memory",
+        "latency",
+        "quality",
+        "local",
+        "checkpoint",
+        "_memory_child",
+        "_checkpoint_child",
+    ):
         p = sub.add_parser(name)
         p.add_argument("--threads", type=int, default=1)
         p.add_argument("--chunk-size", type=int, default=512)
         p.add_argument("--device", default="cpu")
         if name not in ("quality", "local"):  # they read real checkpoints as they are
             p.add_argument("--dtype", default="float32")
-            p.add_argument("--shape", choices=["default", *SHAPES], default="default")
+            real = name in ("checkpoint", "_checkpoint_child")
+            p.add_argument(
+                "--shape",
+                choices=[*REAL] if real else ["default", *SHAPES, *REAL],
+                default=REAL[0] if real else "default",
+            )
     sub.choices["throughput"].add_argument("--tokens", type=int, default=3072)
     sub.choices["throughput"].add_argument("--repeats", type=int, default=3)
     sub.choices["throughput"].add_argument(
@@ -450,13 +599,30 @@ def main(argv: list[str] | None = None) -> None:
     sub.choices["latency"].add_argument("--positions", type=int, nargs=2, default=[1024, 16384])
     sub.choices["latency"].add_argument("--steps", type=int, default=32)
     sub.choices["latency"].add_argument("--rounds", type=int, default=8)
+    for name in ("checkpoint", "_checkpoint_child"):
+        p = sub.choices[name]
+        p.add_argument("--tokens", type=int, default=16384, help="the stream and the dense forward")
+        p.add_argument("--decode-at", type=int, default=8192, help="where SinkCache decodes")
+        p.add_argument("--dynamic-at", type=int, default=1024, help="the tokens DynamicCache holds")
+        p.add_argument("--steps", type=int, default=32, help="greedy steps per round")
+        p.add_argument("--rounds", type=int, default=4, help="rounds per run, the caches alternating")
+    sub.choices["checkpoint"].add_argument("--repeats", type=int, default=5)
+    sub.choices["checkpoint"].add_argument(
+        "--code", action="append", help="LABEL=FOLDER of a version's source (default: this checkout)"
+    )
+    sub.choices["_checkpoint_child"].add_argument(
+        "--part", choices=["decode", "stream", "dense"], required=True
+    )
+    sub.choices["_checkpoint_child"].add_argument("--ids", required=True)
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()  # generate() warns once a stream passes max_position_embeddings
-    if args.command == "_memory_child":
-        _memory_child(args)
+    if args.command in ("_memory_child", "_checkpoint_child"):
+        (_memory_child if args.command == "_memory_child" else _checkpoint_child)(args)
         return
+    if args.command == "checkpoint" and not args.code:
+        args.code = [f"this checkout={Path(__file__).resolve().parents[1]}"]
     start = time.perf_counter()
     commands = {
         "throughput": throughput,
@@ -464,6 +630,7 @@ def main(argv: list[str] | None = None) -> None:
         "latency": latency,
         "quality": quality,
         "local": local,
+        "checkpoint": checkpoint,
     }
     report = commands[args.command](args)
     command = "python benchmarks/bench_streaming.py " + " ".join(argv if argv is not None else sys.argv[1:])
