@@ -246,7 +246,7 @@ class SweepResult:
         ax.set_xticklabels([length_label(n, self.train_length).replace(" ", "\n") for n in ticks])
         reference = self.train_length
         if reference and any(multiple(n, reference) for n in self.lengths):
-            what = next((m.what for m in self.plot_marks() if m.length == reference), TRAINED)
+            what = self._what_is(reference)
             ax.set_xlabel(f"evaluation length in tokens (Nx: N times the {what}, {reference:,})")
         else:
             ax.set_xlabel("evaluation length (tokens)")
@@ -278,6 +278,10 @@ class SweepResult:
             self._draw_positions(by_position[0], [line.get_color() for line in ax.get_lines()])
         return fig
 
+    def _what_is(self, length: int) -> str:
+        """What the plot says ``length`` is (the trained length, a patch's L), from its marks."""
+        return next((m.what for m in self.plot_marks() if m.length == length), TRAINED)
+
     def _draw_positions(self, ax: Axes, colours: list[str]) -> None:
         """Perplexity by position bucket within the longest segments, a line per variant in its colour and
         style; the trained length drawn where it is a bucket edge."""
@@ -289,7 +293,7 @@ class SweepResult:
             ax.plot(x, positions.ppl[variant.name], color=colour, **variant_style(i, variant))
         if self.train_length in positions.starts[1:]:  # the buckets from here on are past it
             boundary = positions.starts.index(self.train_length) - 0.5
-            what = next((m.what for m in self.plot_marks() if m.length == self.train_length), TRAINED)
+            what = self._what_is(self.train_length)
             ax.axvline(boundary, color="0.35", linestyle=":", linewidth=1.3)
             ax.text(
                 boundary + 0.05,

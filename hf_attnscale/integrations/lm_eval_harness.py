@@ -481,7 +481,7 @@ def builtin_dataset(
         tokenizer = AutoTokenizer.from_pretrained(default_model_path())
         encoded = tokenizer(texts, return_offsets_mapping=True, verbose=False)
         kept = [
-            (name, text if first_tokens is None else text[: offsets[:first_tokens][-1][1]])
+            (name, text if first_tokens is None else _text_of_first(text, offsets, first_tokens))
             for name, text, offsets in zip(names, texts, encoded["offset_mapping"])
             if len(offsets) >= min_tokens
         ]
@@ -521,7 +521,9 @@ def long_dataset(
         first_tokens = check_int("first_tokens", first_tokens, 1)
         tokenizer = AutoTokenizer.from_pretrained(_tokenizer_source(pretrained))
         encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
-        texts = [t[: offsets[:first_tokens][-1][1]] for t, offsets in zip(texts, encoded["offset_mapping"])]
+        texts = [
+            _text_of_first(t, offsets, first_tokens) for t, offsets in zip(texts, encoded["offset_mapping"])
+        ]
     return _test_split({"name": names, "text": texts})
 
 
@@ -557,6 +559,11 @@ def mean_present(values: Sequence[float | None]) -> float:
     """The mean of the values that are not None (a per-depth metric is None on prompts of other depths)."""
     present = [v for v in values if v is not None]
     return sum(present) / len(present) if present else float("nan")
+
+
+def _text_of_first(text: str, offsets: list[tuple[int, int]], tokens: int) -> str:
+    """``text`` up to the end of its first ``tokens`` tokens (``offsets``: the tokenizer's offset mapping)."""
+    return text[: offsets[:tokens][-1][1]]
 
 
 def _tokenizer_source(pretrained: str | None) -> str:
