@@ -29,6 +29,11 @@ one dense forward of the same tokens. ``--code`` names each version's source fol
     git worktree add /tmp/hfa-old 17ec512    # the streaming code before issue #45
     python benchmarks/bench_streaming.py checkpoint --repeats 5 --code old=/tmp/hfa-old --code new=.
 
+and what storing keys un-rotated would add to each decode step (``rotate-on-read``): rotating every layer's 1,024
+keys on each read, timed beside a decode step of a ``DynamicCache`` holding 1,024 keys:
+
+    python benchmarks/bench_streaming.py rotate-on-read
+
 The report gives each later version against the first (``new / old``); ``--tokens``, ``--decode-at``,
 ``--dynamic-at``, ``--steps`` and ``--rounds`` change the sizes (a smoke run: ``--tokens 64 --decode-at 80
 --dynamic-at 32 --steps 2 --rounds 1 --repeats 1``).
@@ -42,6 +47,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import platform
 import resource
@@ -439,7 +445,7 @@ def _checkpoint_child(args) -> None:
         caches = {"sink": (hfa.SinkCache(SINKS, WINDOW), args.decode_at), "dynamic": (None, args.dynamic_at)}
         streams, gaps = {}, {name: [] for name in caches}
         for name, (cache, position) in caches.items():
-            cache = cache or DynamicCache(config=model.config)
+            cache = DynamicCache(config=model.config) if cache is None else cache  # an empty cache is falsy
             streams[name] = [
                 cache,
                 model.generate(ids[None, : position - 1], past_key_values=cache, **_greedy(1)),
@@ -457,6 +463,10 @@ def _checkpoint_child(args) -> None:
                     sequence = sequence[:, :position]
                 streams[name][1] = sequence
         result = {f"{name}_ms": 1000 * statistics.median(gaps[name]) for name in caches}
+        held = {f"{name}_keys": streams[name][0].layers[0].keys.shape[-2] for name in caches}
+        if held["sink_keys"] != SINKS + WINDOW:  # the check that each cache is what its column says
+            raise RuntimeError(f"the SinkCache holds {held['sink_keys']} keys, not {SINKS + WINDOW}")
+        result |= held
     else:
         stream = args.part == "stream"
         options = {"cache": hfa.SinkCache(SINKS, WINDOW)} if stream else {"method": "dense"}
@@ -501,10 +511,17 @@ def checkpoint(args) -> str:
 
         for _ in range(args.repeats):
             for label in codes:
-                for part in ("decode", "stream"):
+                for part in {"decode", "stream"} & set(args.parts):
                     child(label, part)
-            child(next(iter(codes)), "dense")  # the dense forward reads no streaming code
-    dense = statistics.median(r["seconds"] for r in runs[next(iter(codes)), "dense"])
+            if "dense" in args.parts:
+                child(next(iter(codes)), "dense")  # the dense forward reads no streaming code
+
+    def median(label: str, part: str, key: str) -> float:  # nan where the part was not run
+        values = [r[key] for r in runs.get((label, part), [])]
+        return statistics.median(values) if values else math.nan
+
+    first, *others = codes
+    dense = median(first, "dense", "seconds")
     lines = [
         f"{args.shape}, `SinkCache({SINKS}, {WINDOW})`, medians of {args.repeats} runs, each in a fresh process, the "
         f"versions interleaved; {len(ids):,} tokens of held-out stdlib text. {setup(args)}.",
@@ -516,16 +533,15 @@ def checkpoint(args) -> str:
     ]
     medians: dict[str, dict[str, float]] = {}
     for label in codes:
-        decode, stream = runs[label, "decode"], runs[label, "stream"]
-        medians[label] = {k: statistics.median(r[f"{k}_ms"] for r in decode) for k in ("sink", "dynamic")}
-        medians[label]["stream"] = statistics.median(r["seconds"] for r in stream)
-        ratio = statistics.median(r["sink_ms"] / r["dynamic_ms"] for r in decode)  # each run's own ratio
+        medians[label] = {k: median(label, "decode", f"{k}_ms") for k in ("sink", "dynamic")}
+        medians[label]["stream"] = median(label, "stream", "seconds")
+        ratios = [r["sink_ms"] / r["dynamic_ms"] for r in runs.get((label, "decode"), [])]  # each run's own
+        ratio = statistics.median(ratios) if ratios else math.nan
         lines.append(
             f"| {label} (`{codes[label]}`) | {medians[label]['sink']:.2f} | {medians[label]['dynamic']:.2f} | "
             f"**{ratio:.3f}** | {medians[label]['stream']:.1f} | **{medians[label]['stream'] / dense:.3f}** | "
-            f"{statistics.median(r['nll'] for r in stream):.4f} |"
+            f"{median(label, 'stream', 'nll'):.4f} |"
         )
-    first, *others = codes
     lines += [
         f"\n{label} / {first}: decode with SinkCache **{medians[label]['sink'] / medians[first]['sink']:.3f}**, "
         f"chunked stream **{medians[label]['stream'] / medians[first]['stream']:.3f}** (goal: within 5%)."
@@ -533,6 +549,49 @@ def checkpoint(args) -> str:
     ]
     lines += ["", "Runs: " + "; ".join(f"{label} {part} {values}" for (label, part), values in runs.items())]
     return "\n".join(lines)
+
+
+def rotate_on_read(args) -> str:
+    """The least that storing keys un-rotated would add to a decode step: each layer's keys rotated on read."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model = build_model(args)
+    config, slots = model.config, SINKS + WINDOW
+    keys = torch.randn(1, config.num_key_value_heads, slots, config.head_dim)
+    # a table of cos and sin, read at the stored keys' positions as a cache would
+    table = model.model.rotary_emb(keys, torch.arange(2 * slots)[None])
+    positions = torch.randperm(2 * slots)[:slots]
+    ids = stream_ids(slots - 1)[None]
+
+    def rotation_ms() -> float:
+        """All layers' reads: gather cos and sin, rotate the keys with the family's own function (no query)."""
+        times = []
+        for _ in range(200):
+            start = time.perf_counter()
+            cos, sin = (t[:, positions] for t in table)
+            apply_rotary_pos_emb(keys[:, :0], keys, cos, sin)
+            times.append(time.perf_counter() - start)
+        return 1000 * statistics.median(times) * config.num_hidden_layers
+
+    def decode_ms() -> float:
+        clock = _StepClock()
+        model.generate(
+            ids, past_key_values=DynamicCache(config=config), stopping_criteria=[clock], **_greedy(33)
+        )
+        return 1000 * statistics.median(b - a for a, b in itertools.pairwise(clock.times))
+
+    rotation, decode = [], []
+    for _ in range(args.rounds):
+        rotation.append(rotation_ms())
+        decode.append(decode_ms())
+    extra = statistics.median(r / d for r, d in zip(rotation, decode))
+    return (
+        f"{args.shape}: rotating the {slots:,} stored keys of all {config.num_hidden_layers} layers on every read "
+        f"(`apply_rotary_pos_emb` after gathering cos and sin from a table) against a decode step through a "
+        f"`DynamicCache` holding {slots - 1:,}; medians of {args.rounds} interleaved rounds. {setup(args)}.\n\n"
+        "| rotation per token (ms) | decode per token (ms) | rotation / decode |\n|---|---|---|\n"
+        f"| {statistics.median(rotation):.2f} | {statistics.median(decode):.2f} | **{extra:.3f}** |"
+    )
 
 
 CHILD_FLAGS = (
@@ -562,6 +621,7 @@ def main(argv: list[str] | None = None) -> None:
         "quality",
         "local",
         "checkpoint",
+        "rotate-on-read",
         "_memory_child",
         "_checkpoint_child",
     ):
@@ -571,7 +631,7 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--device", default="cpu")
         if name not in ("quality", "local"):  # they read real checkpoints as they are
             p.add_argument("--dtype", default="float32")
-            real = name in ("checkpoint", "_checkpoint_child")
+            real = name in ("checkpoint", "rotate-on-read", "_checkpoint_child")
             p.add_argument(
                 "--shape",
                 choices=[*REAL] if real else ["default", *SHAPES, *REAL],
@@ -607,6 +667,10 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--steps", type=int, default=32, help="greedy steps per round")
         p.add_argument("--rounds", type=int, default=4, help="rounds per run, the caches alternating")
     sub.choices["checkpoint"].add_argument("--repeats", type=int, default=5)
+    sub.choices["rotate-on-read"].add_argument("--rounds", type=int, default=5)
+    sub.choices["checkpoint"].add_argument(
+        "--parts", nargs="+", choices=["decode", "stream", "dense"], default=["decode", "stream", "dense"]
+    )
     sub.choices["checkpoint"].add_argument(
         "--code", action="append", help="LABEL=FOLDER of a version's source (default: this checkout)"
     )
@@ -631,6 +695,7 @@ def main(argv: list[str] | None = None) -> None:
         "quality": quality,
         "local": local,
         "checkpoint": checkpoint,
+        "rotate-on-read": rotate_on_read,
     }
     report = commands[args.command](args)
     command = "python benchmarks/bench_streaming.py " + " ".join(argv if argv is not None else sys.argv[1:])
