@@ -27,7 +27,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_attnscale as hfa
-from hf_attnscale.core.fused_exit import ENV_SWITCH
+from hf_attnscale.core.call.fused_exit import ENV_SWITCH
 
 VARIANTS = {
     "unpatched": None,

@@ -11,10 +11,10 @@ from . import (
     training as training,
 )
 from .checkpoints.loading import fetch as fetch, from_pretrained as from_pretrained
-from .core.config import AttnScaleConfig as AttnScaleConfig
-from .core.families import supported_model_types as supported_model_types
-from .core.patching import patch as patch, patched as patched, unpatch as unpatch
-from .core.state import get_config as get_config
+from .core.install.families import supported_model_types as supported_model_types
+from .core.install.installed import get_config as get_config
+from .core.install.patching import patch as patch, patched as patched, unpatch as unpatch
+from .core.options.config import AttnScaleConfig as AttnScaleConfig
 from .evaluation.perplexity import PerplexityResult as PerplexityResult, perplexity as perplexity
 from .evaluation.report import SweepResult as SweepResult
 from .evaluation.sweep import sweep as sweep

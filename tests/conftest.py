@@ -35,7 +35,7 @@ from transformers import (
 )
 
 import hf_attnscale as hfa
-from hf_attnscale.core.families import attention_modules
+from hf_attnscale.core.install.families import attention_modules
 from hf_attnscale.evaluation.corpus import builtin_documents
 from hf_attnscale.training.lm import train_tokenizer
 

@@ -18,7 +18,7 @@ from tiny import VOCAB, build, sharpen
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 from transformers.models.auto import modeling_auto
 
-from hf_attnscale.core.families import attention_modules
+from hf_attnscale.core.install.families import attention_modules
 
 SMALL = {
     "vocab_size": VOCAB,

@@ -18,7 +18,7 @@ from transformers import DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.modeling_utils import AttentionInterface
 
-from hf_attnscale.core.families import query_heads
+from hf_attnscale.core.install.families import query_heads
 
 REF_NAME = "hfa_test_reference"
 

@@ -14,8 +14,8 @@ from transformers import BloomConfig, BloomForCausalLM
 from transformers.modeling_utils import AttentionInterface
 
 import hf_attnscale as hfa
-from hf_attnscale.core import patching
-from hf_attnscale.core.masks import visible_key_counts
+from hf_attnscale.core.call.masks import visible_key_counts
+from hf_attnscale.core.install import patching
 
 
 @pytest.mark.parametrize(
@@ -240,8 +240,8 @@ def test_every_patch_option_reaches_the_api_the_cli_and_lm_eval():
     the same value. A new field must add a row here (its text and value), and then reaches all three."""
     import argparse
 
-    from hf_attnscale.core.config import OPTIONS
-    from hf_attnscale.core.flags import add_patch_arguments, patch_options
+    from hf_attnscale.core.options.config import OPTIONS
+    from hf_attnscale.core.options.flags import add_patch_arguments, patch_options
 
     examples = {  # option: (flags, model_arg text, the value every reader must arrive at)
         "scale": (["--scale", "llama4", "--train-length", "8"], "llama4", "llama4"),

@@ -20,6 +20,10 @@ LAYERS = [
     "checkpoints",
     "core",
 ]
+# The core's rooms, in the same order: the patch in force (install) calls the attention call (call), which reads
+# the options; ``core/compat.py``, at the core's root, is below them all.
+CORE_ROOMS = ["install", "call", "options"]
+CORE_ROOT_FILES_AT_MOST = 5
 # Function-level imports that are allowed: optional dependencies, and heavy imports needed on first use only.
 # The command line imports what each command needs when it runs, so that --help answers at once.
 LAZY_PACKAGE = "hf_attnscale.cli"
@@ -161,6 +165,28 @@ def test_import_graph_has_no_cycle():
     # A package's __init__ re-exporting its modules is not a cycle of the code itself.
     real = [c for c in cycles if not any(n in PACKAGES for n in c)]
     assert not real, real
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "core" and parts[2] in CORE_ROOMS else None
+
+
+def test_core_rooms_import_downwards():
+    offences = [
+        f"{module}:{line} ({_room(module)}) imports {target} ({_room(target)}), a room above it"
+        for module, tree in MODULES.items()
+        if _room(module) is not None
+        for target, _, _, line in _imports(module, tree, module in PACKAGES)
+        if _room(target) is not None and CORE_ROOMS.index(_room(target)) < CORE_ROOMS.index(_room(module))
+    ]
+    assert not offences, offences
+
+
+def test_core_root_holds_only_its_rooms_and_compat():
+    root_files = sorted(path.name for path in (PACKAGE / "core").glob("*.py"))
+    assert len(root_files) <= CORE_ROOT_FILES_AT_MOST, root_files
+    assert sorted(p.name for p in (PACKAGE / "core").iterdir() if (p / "__init__.py").is_file()) == sorted(CORE_ROOMS)
 
 
 @pytest.mark.parametrize("layer", LAYERS)

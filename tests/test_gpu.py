@@ -34,7 +34,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.utils import is_flash_attn_2_available
 
 import hf_attnscale as hfa
-from hf_attnscale.core import exit
+from hf_attnscale.core.call import exit
 
 pytestmark = pytest.mark.gpu
 

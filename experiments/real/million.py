@@ -26,7 +26,7 @@ from sections.tables import markdown
 from tqdm.auto import tqdm
 
 import hf_attnscale as hfa
-from hf_attnscale.core.routing import cache_argument
+from hf_attnscale.core.install.routing import cache_argument
 
 from .context import SHORT_NAME, Context, Lazy
 

@@ -11,10 +11,10 @@ from typing import Any
 from torch import nn
 from transformers.utils import quantization_config as hf_quantization
 
-from hf_attnscale.core.config import read_saved_config
-from hf_attnscale.core.patching import apply
-from hf_attnscale.core.state import STATE_NAME
-from hf_attnscale.core.weights import safetensors_files
+from hf_attnscale.core.call.state import STATE_NAME
+from hf_attnscale.core.install.patching import apply
+from hf_attnscale.core.install.weights import safetensors_files
+from hf_attnscale.core.options.config import read_saved_config
 
 from . import real
 from .real import resolve_source

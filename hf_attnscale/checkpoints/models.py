@@ -26,7 +26,7 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
 from transformers.utils import cached_file
 
-from hf_attnscale.core.weights import is_local_path
+from hf_attnscale.core.install.weights import is_local_path
 
 from .loading import fetch, from_pretrained
 from .real import REAL_CHECKPOINTS, check_gguf_file, real_checkpoint_name

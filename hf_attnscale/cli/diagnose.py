@@ -7,7 +7,7 @@ import json
 import shlex
 import time
 
-from hf_attnscale.core.flags import add_patch_arguments
+from hf_attnscale.core.options.flags import add_patch_arguments
 
 from .options import (
     PATCH_TITLE,
@@ -56,9 +56,9 @@ def run(args: argparse.Namespace) -> int:
     """Run the diagnostics; returns the exit status."""
     import torch
 
-    from hf_attnscale.core.config import AttnScaleConfig
-    from hf_attnscale.core.patching import patched
-    from hf_attnscale.core.state import get_config
+    from hf_attnscale.core.install.installed import get_config
+    from hf_attnscale.core.install.patching import patched
+    from hf_attnscale.core.options.config import AttnScaleConfig
     from hf_attnscale.diagnostics import activation_outliers, attention_statistics, layer_table
     from hf_attnscale.evaluation.corpus import tokenize_documents
 

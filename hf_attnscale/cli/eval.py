@@ -7,8 +7,8 @@ import argparse
 import time
 from typing import TYPE_CHECKING, Any
 
-from hf_attnscale.core.config import OPTION_NAMES
-from hf_attnscale.core.flags import add_patch_arguments
+from hf_attnscale.core.options.config import OPTION_NAMES
+from hf_attnscale.core.options.flags import add_patch_arguments
 
 from .options import (
     PATCH_TITLE,
@@ -192,7 +192,7 @@ def _variant(
     args: argparse.Namespace, model: nn.Module, options: dict[str, Any], settings: tuple[int, int] | None
 ) -> Variant:
     """The configuration to evaluate: the options given, else the patch the model was saved with."""
-    from hf_attnscale.core.state import get_config
+    from hf_attnscale.core.install.installed import get_config
     from hf_attnscale.evaluation.variants import Variant
 
     saved = get_config(model)

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hf_attnscale.core.config import default_train_length
-from hf_attnscale.core.flags import patch_options
+from hf_attnscale.core.options.config import default_train_length
+from hf_attnscale.core.options.flags import patch_options
 
 if TYPE_CHECKING:
     import torch
@@ -132,7 +132,7 @@ def count_type(minimum: int):
 
 
 def trained_length(args: argparse.Namespace, model: Any) -> int | None:
-    """The trained length by the one rule (`hf_attnscale.core.config.default_train_length`, which the lm-eval
+    """The trained length by the one rule (`hf_attnscale.core.options.config.default_train_length`, which the lm-eval
     model type follows too): ``--train-length`` if given, else the model config's ``max_position_embeddings``
     (None where it has none)."""
     return default_train_length(_given_length(args), model.config)

@@ -1,6 +1,6 @@
 """Attention entropy, sink mass and softmax-gradient size, from the queries and keys the model computes.
 
-The measures are computed inside the patched attention function (a probe carried by the call, `hf_attnscale.core.hooks`),
+The measures are computed inside the patched attention function (a probe carried by the call, `hf_attnscale.core.call.hooks`),
 from the very query (after any scale law), keys, mask and exit logit the backend receives, so they describe the
 attention the model actually runs, whatever its backend. For each query row with distribution ``p`` over its
 ``n`` visible keys (plus the exit, if any):
@@ -22,14 +22,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hf_attnscale.core.config import AttnScaleConfig
-from hf_attnscale.core.hooks import CallHooks, using_hooks
-from hf_attnscale.core.masks import visible_keys
-from hf_attnscale.core.offload import run_device
-from hf_attnscale.core.patching import patched
-from hf_attnscale.core.state import get_config, patched_modules
-from hf_attnscale.core.validation import check_int
-from hf_attnscale.core.wrappers import backbone, unwrap
+from hf_attnscale.core.call.hooks import CallHooks, using_hooks
+from hf_attnscale.core.call.masks import visible_keys
+from hf_attnscale.core.install.installed import get_config, patched_modules
+from hf_attnscale.core.install.offload import run_device
+from hf_attnscale.core.install.patching import patched
+from hf_attnscale.core.install.wrappers import backbone, unwrap
+from hf_attnscale.core.options.config import AttnScaleConfig
+from hf_attnscale.core.options.validation import check_int
 
 QUERY_CHUNK = 256
 """Query rows scored at a time: memory is O(chunk x keys) per head."""
@@ -74,7 +74,7 @@ class _Collector:
         self.sums: dict[int, dict[str, torch.Tensor]] = {}
 
     def record(self, module, query, key, attention_mask, *, causal, exit_logits, backend, **kwargs) -> None:
-        """The probe (`hf_attnscale.core.hooks.CallHooks`): add one attention call's measures to its layer's."""
+        """The probe (`hf_attnscale.core.call.hooks.CallHooks`): add one attention call's measures to its layer's."""
         layer = self.layers[id(module)]
         measures = _measures(
             query, key, attention_mask, causal, exit_logits, backend, self.sink_tokens, kwargs

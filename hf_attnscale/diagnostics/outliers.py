@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hf_attnscale.core.families import attention_modules
-from hf_attnscale.core.offload import run_device
-from hf_attnscale.core.wrappers import backbone, unwrap
+from hf_attnscale.core.install.families import attention_modules
+from hf_attnscale.core.install.offload import run_device
+from hf_attnscale.core.install.wrappers import backbone, unwrap
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_attnscale.core.offload import forward_slot, set_forward
-from hf_attnscale.core.validation import check_int
+from hf_attnscale.core.install.offload import forward_slot, set_forward
+from hf_attnscale.core.options.validation import check_int
 
 LEVELS = 127
 """Symmetric int8: integers in [-127, 127]."""

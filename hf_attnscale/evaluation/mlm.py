@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hf_attnscale.core.offload import run_device
-from hf_attnscale.core.validation import check_int
+from hf_attnscale.core.install.offload import run_device
+from hf_attnscale.core.options.validation import check_int
 
 from .report import SweepResult, SweepRow
 from .sweep import OnVariant, check_lengths, check_variants, choose_documents, run_variants, whole_windows

@@ -22,9 +22,9 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from hf_attnscale.core.offload import run_device
-from hf_attnscale.core.routing import cache_argument
-from hf_attnscale.core.validation import check_int
+from hf_attnscale.core.install.offload import run_device
+from hf_attnscale.core.install.routing import cache_argument
+from hf_attnscale.core.options.validation import check_int
 from hf_attnscale.streaming.cache import SinkCache
 from hf_attnscale.streaming.rope import rope_rescales_with_length
 from hf_attnscale.streaming.spec import check_streaming_model

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from hf_attnscale.core.validation import as_int, check_int
+from hf_attnscale.core.options.validation import as_int, check_int
 from hf_attnscale.streaming.spec import check_streaming_model
 
 from .perplexity import segment_nll

@@ -9,8 +9,8 @@ from typing import Any
 
 from torch import nn
 
-from hf_attnscale.core.config import AttnScaleConfig
-from hf_attnscale.core.patching import patched
+from hf_attnscale.core.install.patching import patched
+from hf_attnscale.core.options.config import AttnScaleConfig
 from hf_attnscale.streaming.cache import DEFAULT_SINK_TOKENS, SinkCache, cache_settings
 
 

@@ -49,15 +49,15 @@ from hf_attnscale.checkpoints.models import (
     split_gguf,
 )
 from hf_attnscale.checkpoints.real import FetchError, check_gguf_file
-from hf_attnscale.core.config import (
+from hf_attnscale.core.install.installed import get_config
+from hf_attnscale.core.install.patching import patch
+from hf_attnscale.core.options.config import (
     OPTION_NAMES,
     AttnScaleConfig,
     default_train_length,
     read_saved_config,
 )
-from hf_attnscale.core.patching import patch
-from hf_attnscale.core.state import get_config
-from hf_attnscale.core.validation import check_int
+from hf_attnscale.core.options.validation import check_int
 from hf_attnscale.evaluation.corpus import builtin_documents
 from hf_attnscale.evaluation.long_texts import joined_documents, kjv_books
 from hf_attnscale.evaluation.mlm import pseudo_log_likelihood
@@ -136,7 +136,7 @@ class HFAttnScaleLM(HFLM):
             With none of them, a checkpoint saved from a patched model (``hf_attnscale`` in its config) is
             patched as saved, and any other model runs as loaded. A scale without ``train_length`` takes the
             saved config's ``max_position_embeddings``, as ``--scale`` without ``--train-length`` does on the
-            command line (`hf_attnscale.core.config.default_train_length`).
+            command line (`hf_attnscale.core.options.config.default_train_length`).
         sink_tokens: sink tokens of the streaming cache (default with ``window``: SinkCache's; 0: window-only).
         window: recent tokens each query sees while streaming; None (default) keeps lm-eval's windows.
         chunk_size: tokens per model call, streamed or dense (memory only; results do not depend on it).
@@ -208,7 +208,7 @@ class HFAttnScaleLM(HFLM):
         model's name, and read its config (not its weights): ``(patch config, pretrained, gguf_file)``.
 
         A scale without ``train_length`` takes the config's ``max_position_embeddings``, as on the command line
-        (`hf_attnscale.core.config.default_train_length`); the other options are checked before the model is
+        (`hf_attnscale.core.options.config.default_train_length`); the other options are checked before the model is
         looked for, which may mean a download.
         """
         options = {name: _as_written(kwargs.pop(name)) for name in OPTION_NAMES if name in kwargs}

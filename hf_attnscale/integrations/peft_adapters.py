@@ -43,12 +43,13 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from hf_attnscale.checkpoints.models import head_kind
-from hf_attnscale.core.config import AttnScaleConfig
-from hf_attnscale.core.families import attention_modules
-from hf_attnscale.core.offload import is_offloaded
-from hf_attnscale.core.patching import patch
-from hf_attnscale.core.state import STATE_NAME, active_state, get_config
-from hf_attnscale.core.wrappers import unwrap
+from hf_attnscale.core.call.resident import is_offloaded
+from hf_attnscale.core.call.state import STATE_NAME, active_state
+from hf_attnscale.core.install.families import attention_modules
+from hf_attnscale.core.install.installed import get_config
+from hf_attnscale.core.install.patching import patch
+from hf_attnscale.core.install.wrappers import unwrap
+from hf_attnscale.core.options.config import AttnScaleConfig
 
 if TYPE_CHECKING:
     from peft import LoraConfig, PeftModel

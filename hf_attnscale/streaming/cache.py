@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from hf_attnscale.core.validation import check_int
+from hf_attnscale.core.options.validation import check_int
 
 from .plan import LayerGeometry, Rotations, SlotRecord, StepPlan
 from .rope import CosSin, RopeFn, rotate_keys, rotation_basis

@@ -14,11 +14,12 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from hf_attnscale.core.families import attention_modules, takes_position_embeddings
-from hf_attnscale.core.gate import gate_input
-from hf_attnscale.core.routing import cache_argument, rotary_of
-from hf_attnscale.core.state import get_config, state_of
-from hf_attnscale.core.wrappers import unwrap
+from hf_attnscale.core.call.gate import gate_input
+from hf_attnscale.core.call.state import state_of
+from hf_attnscale.core.install.families import attention_modules, takes_position_embeddings
+from hf_attnscale.core.install.installed import get_config
+from hf_attnscale.core.install.routing import cache_argument, rotary_of
+from hf_attnscale.core.install.wrappers import unwrap
 
 from .plan import LayerGeometry, layer_geometry
 from .rope import RopeFn, RopeTable, family_rotation, length_dependent, no_rotation, rotary_output

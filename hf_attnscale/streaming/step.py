@@ -1,6 +1,6 @@
 """One attention module's step through a `SinkCache`: the module's own forward, run under the call's plan.
 
-A patched RoPE attention module hands its step to the cache (`hf_attnscale.core.routing`), which runs
+A patched RoPE attention module hands its step to the cache (`hf_attnscale.core.install.routing`), which runs
 `attention_step`: the module's class forward, given the plan's cos/sin in place of the model's (so it rotates
 its queries and new keys at their positions inside the cache) and the plan's mask. The cache's ``update``
 stores the keys and returns every key the queries read. When queries of one chunk see the sinks at different
@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from hf_attnscale.core.hooks import CallHooks
-from hf_attnscale.core.routing import cache_argument, forward_with_hooks
+from hf_attnscale.core.call.hooks import CallHooks
+from hf_attnscale.core.install.routing import cache_argument, forward_with_hooks
 
 from .plan import Rotations, SlotRecord, StepPlan, build_plan
 from .rope import CosSin, RopeFn

@@ -18,9 +18,9 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from hf_attnscale.core.flags import add_patch_arguments, patch_options
-from hf_attnscale.core.patching import patch
-from hf_attnscale.core.state import get_config
+from hf_attnscale.core.install.installed import get_config
+from hf_attnscale.core.install.patching import patch
+from hf_attnscale.core.options.flags import add_patch_arguments, patch_options
 from hf_attnscale.evaluation.report import versions
 
 CHECKPOINT = "checkpoint.pt"

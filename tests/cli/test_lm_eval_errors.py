@@ -96,7 +96,7 @@ def test_bad_model_args_are_one_line(model_args, message, tmp_path, capsys):
 
 
 def test_a_scale_without_train_length_takes_max_position_embeddings():
-    """The command line's rule (`hf_attnscale.core.config.default_train_length`): no train_length, the config's."""
+    """The command line's rule (`hf_attnscale.core.options.config.default_train_length`): no train_length, the config's."""
     lm = HFAttnScaleLM(pretrained=str(default_model_path()), scale="logn", dtype="float32", device="cpu")
     patched = hfa.get_config(lm.model)
     assert (

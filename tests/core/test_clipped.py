@@ -1,4 +1,4 @@
-"""Clipped softmax (`hf_attnscale.core.clipped`): its contract beyond the reference matrix of test_attention.py
+"""Clipped softmax (`hf_attnscale.core.call.clipped`): its contract beyond the reference matrix of test_attention.py
 and test_families.py (where fixed and learnable clipping are held to tests/reference.py on every family)."""
 
 from __future__ import annotations

@@ -141,7 +141,7 @@ def test_the_patch_uses_transformers_position_bias_mask_where_it_has_one():
     position bias into the mask with transformers' function itself."""
     from transformers.integrations import sdpa_attention
 
-    from hf_attnscale.core import attention
+    from hf_attnscale.core.call import scaled as attention
 
     theirs = getattr(sdpa_attention, "create_position_bias_mask", None)
     expected = compat.create_position_bias_mask if theirs is None else theirs

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from hf_attnscale.core.config import SCALES, AttnScaleConfig, read_saved_config
-from hf_attnscale.core.laws import query_multiplier, ssmax_init
+from hf_attnscale.core.options.config import SCALES, AttnScaleConfig, read_saved_config
+from hf_attnscale.core.options.laws import query_multiplier, ssmax_init
 
 
 def test_clamp_defaults_by_scale():

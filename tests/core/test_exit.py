@@ -1,4 +1,4 @@
-"""The exit (zero_kv / sink logit) as public sdpa sees it (`hf_attnscale.core.exit`), against the eager reference.
+"""The exit (zero_kv / sink logit) as public sdpa sees it (`hf_attnscale.core.call.exit`), against the eager reference.
 
 The exit rides on extra channels through transformers' own sdpa wrapper, the same code on every device: these
 tests hold it to the reference (fp32 1e-5, gradients relative to their size) in every shape a model passes
@@ -20,7 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import hf_attnscale as hfa
-from hf_attnscale.core import attention, exit
+from hf_attnscale.core.call import exit, scaled as attention
 
 SINKS = torch.tensor([0.0, 1.5, -2.0, 3.0])
 

@@ -20,8 +20,8 @@ from model_zoo import EAGER_ONLY, LOGIT_TOLERANCE, family_types, head_of, refere
 from reference import set_gate
 
 import hf_attnscale as hfa
-from hf_attnscale.core.families import rule_for
-from hf_attnscale.core.state import AttnScaleState
+from hf_attnscale.core.call.state import AttnScaleState
+from hf_attnscale.core.install.families import rule_for
 
 TYPES = family_types()
 FEATURES = {
@@ -71,7 +71,7 @@ def test_finding_the_families_leaves_logging_alone(monkeypatch):
     (a global another thread's code would lose warnings to), and finds what it found before."""
     from transformers.utils import logging as hf_logging
 
-    from hf_attnscale.core import families
+    from hf_attnscale.core.install import families
 
     def refuse(*args, **kwargs):
         raise AssertionError("discovery changed transformers' logging")

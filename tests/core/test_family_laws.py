@@ -57,8 +57,8 @@ def test_our_law_equals_the_familys_own(model_type, law, attn):
 
 
 def test_the_laws_are_steps_of_n():
-    from hf_attnscale.core.config import AttnScaleConfig
-    from hf_attnscale.core.laws import query_multiplier
+    from hf_attnscale.core.options.config import AttnScaleConfig
+    from hf_attnscale.core.options.laws import query_multiplier
 
     n = torch.arange(1.0, 13.0).view(1, 1, -1)
     llama4 = query_multiplier(AttnScaleConfig(scale="llama4", train_length=4), n)

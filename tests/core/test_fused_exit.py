@@ -1,4 +1,4 @@
-"""The fused CPU exit (`hf_attnscale.core.fused_exit`): the kernel's formulation against the eager reference, the
+"""The fused CPU exit (`hf_attnscale.core.call.fused_exit`): the kernel's formulation against the eager reference, the
 first-use check against injected faults, and what it never serves.
 
 The rest of the suite runs with the fused path off (``HF_ATTNSCALE_FUSED_EXIT=0``, tests/conftest.py), so that it
@@ -17,7 +17,7 @@ from core.test_exit import SHAPES, SINKS, Attention, exit_through_sdpa, visible_
 from reference import reference_attention
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from hf_attnscale.core import exit, fused_exit
+from hf_attnscale.core.call import exit, fused_exit
 
 
 @pytest.fixture

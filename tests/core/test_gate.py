@@ -1,4 +1,4 @@
-"""Gated attention (`hf_attnscale.core.gate`): the start is the pretrained model, the gate is the reference's
+"""Gated attention (`hf_attnscale.core.call.gate`): the start is the pretrained model, the gate is the reference's
 forward and backward, it trains and saves with PEFT, streams, and leaves nothing behind. (The reference matrix of
 test_attention.py and test_families.py holds perturbed gates to tests/reference.py on every family.)"""
 
@@ -19,7 +19,7 @@ from conftest import (
 )
 
 import hf_attnscale as hfa
-from hf_attnscale.core.state import AttnScaleState
+from hf_attnscale.core.call.state import AttnScaleState
 
 
 @pytest.mark.parametrize("gate", ["head", "element"])

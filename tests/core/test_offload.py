@@ -19,7 +19,7 @@ from conftest import sharp_model, stream_logits
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_attnscale as hfa
-from hf_attnscale.core.families import attention_modules
+from hf_attnscale.core.install.families import attention_modules
 from hf_attnscale.diagnostics import activation_outliers, attention_statistics
 from hf_attnscale.diagnostics.quantization import fake_quantized
 

@@ -13,7 +13,7 @@ from conftest import VOCAB, tiny_model
 from reference import make_reference
 
 import hf_attnscale as hfa
-from hf_attnscale.core.families import attention_modules
+from hf_attnscale.core.install.families import attention_modules
 
 LEARNABLE = {"scale": "ssmax", "train_length": 4, "sink_logit": "learnable"}
 

@@ -21,7 +21,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
 import hf_attnscale as hfa
-from hf_attnscale.core.routing import cache_argument
+from hf_attnscale.core.install.routing import cache_argument
 from hf_attnscale.integrations.peft_adapters import ADAPTER_PATCH_FILE, attention_projections
 
 # A patch with both kinds of parameters (per-head sink logits and SSMax slopes), active at 16 tokens.

@@ -2,7 +2,7 @@
 
 A server loads one model and serves many conversations, each with a cache of its own, often from several
 threads at once. Each stream must get exactly what it gets alone. Before per-call state moved into the call
-(`hf_attnscale.core.hooks`), a SinkCache set its rotation on the shared attention modules for the length of a
+(`hf_attnscale.core.call.hooks`), a SinkCache set its rotation on the shared attention modules for the length of a
 call: with four threads, 11 of 12 `generate()` calls differed from the sequential ones or crashed ("The size of
 tensor a (27) must match the size of tensor b (34)"), and `hfa.perplexity` in four threads crashed in two and
 was off by 34-40 in the other two. These tests failed in every run of them before the fix.

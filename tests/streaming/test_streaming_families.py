@@ -12,7 +12,7 @@ from model_zoo import EAGER_ONLY, family_types, head_of, zoo_model
 from transformers import AutoConfig
 
 import hf_attnscale as hfa
-from hf_attnscale.core.families import attention_modules, takes_position_embeddings
+from hf_attnscale.core.install.families import attention_modules, takes_position_embeddings
 from hf_attnscale.streaming.spec import check_streaming_model
 
 DECODERS = [t for t in family_types() if head_of(t) == "causal"]

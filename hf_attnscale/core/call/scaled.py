@@ -1,17 +1,17 @@
 """One patched attention call: count the visible keys, scale the query, add the exit, run the backend.
 
-The steps, for each call that reaches a module carrying a patch state (`hf_attnscale.core.state`):
+The steps, for each call that reaches a module carrying a patch state (`hf_attnscale.core.call.state`):
 
 1. count the keys n each query row sees, from the mask the backend receives, or from the shapes when the
    backend runs without one (sdpa's ``is_causal``);
-2. multiply the query by the scale law of n (`hf_attnscale.core.laws`), on top of the model's own scaling;
+2. multiply the query by the scale law of n (`hf_attnscale.core.options.laws`), on top of the model's own scaling;
 3. add the exit (zero_kv / sink logit): natively where the backend has sinks (flash, flex), else as one more
-   zero-valued key (`hf_attnscale.core.exit`): on extra channels through public sdpa, or a mask column (eager);
-4. run the inner backend; or, with a clipped softmax, its eager formula (`hf_attnscale.core.clipped`).
+   zero-valued key (`hf_attnscale.core.call.exit`): on extra channels through public sdpa, or a mask column (eager);
+4. run the inner backend; or, with a clipped softmax, its eager formula (`hf_attnscale.core.call.clipped`).
 
-A call may bring hooks of its own (`hf_attnscale.core.hooks`): a query map, an output map, a probe.
+A call may bring hooks of its own (`hf_attnscale.core.call.hooks`): a query map, an output map, a probe.
 
-How calls get here (names, registration) is `hf_attnscale.core.dispatch`; this module is only the maths.
+How calls get here (names, registration) is `hf_attnscale.core.call.dispatch`; this module is only the maths.
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ import torch
 from torch import nn
 from transformers.integrations import sdpa_attention
 
-from . import compat
-from .clipped import clipped_softmax_attention
-from .exit import combined_exit_logits, extra_key_attention
-from .fused_exit import exit_attention
-from .gate import apply_gate
-from .hooks import CallHooks
-from .laws import query_multiplier
-from .masks import visible_key_counts
-from .state import AttnScaleState
+from hf_attnscale.core import compat
+from hf_attnscale.core.call.clipped import clipped_softmax_attention
+from hf_attnscale.core.call.exit import combined_exit_logits, extra_key_attention
+from hf_attnscale.core.call.fused_exit import exit_attention
+from hf_attnscale.core.call.gate import apply_gate
+from hf_attnscale.core.call.hooks import CallHooks
+from hf_attnscale.core.call.masks import visible_key_counts
+from hf_attnscale.core.call.state import AttnScaleState
+from hf_attnscale.core.options.laws import query_multiplier
 
 AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
@@ -53,7 +53,7 @@ def scaled_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Apply the patch around one call of ``backend_fn``, the function of backend ``backend``; ``hooks`` are this
-    call's own additions (`hf_attnscale.core.hooks`). Shapes: q ``(B,H,Tq,D)``, k/v ``(B,Hkv,Tk,D)``."""
+    call's own additions (`hf_attnscale.core.call.hooks`). Shapes: q ``(B,H,Tq,D)``, k/v ``(B,Hkv,Tk,D)``."""
     config = state.config
     if hooks is not None and hooks.query is not None:
         query = hooks.query(query)

@@ -9,7 +9,7 @@ for the length of that module's forward. So:
   live on the attention module's execution device, where the attention call that reads them runs. They train
   there (accelerate re-creates an offloaded parameter at every call, so none could), and ``save_pretrained``
   writes them as any weight. A model patched first and dispatched afterwards (``dispatch_model``) has them
-  offloaded like its weights: `keep_resident` takes them back from accelerate, values included, when the patch
+  offloaded like its weights: `hf_attnscale.core.call.resident.keep_resident` takes them back from accelerate, values included, when the patch
   is next used (PEFT loading an adapter onto an offloaded model dispatches it again without their values: that
   is refused, saying what to do);
 * a per-instance forward goes under the module's hook, into the ``_old_forward`` slot the hook calls, so that the
@@ -21,7 +21,6 @@ them.
 
 from __future__ import annotations
 
-import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -29,10 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-HOOK_ATTR = "_hf_hook"
-"""Where accelerate keeps a module's hook (`accelerate.hooks.add_hook_to_module`)."""
-HOOKED_FORWARD_ATTR = "_old_forward"
-"""The forward accelerate's hook wrapper calls between its ``pre_forward`` and ``post_forward``."""
+from hf_attnscale.core.call.resident import HOOK_ATTR, HOOKED_FORWARD_ATTR, hook_device
 
 
 def execution_device(module: nn.Module) -> torch.device | None:
@@ -41,28 +37,13 @@ def execution_device(module: nn.Module) -> torch.device | None:
     That is the execution device of the module's own hook or, when it has none (`accelerate.cpu_offload` hooks
     only the modules that hold weights), of its first hooked submodule.
     """
-    return next((d for d in map(_hook_device, module.modules()) if d is not None), None)
+    return next((d for d in map(hook_device, module.modules()) if d is not None), None)
 
 
 def run_device(model: nn.Module) -> torch.device:
     """The device ``model`` runs on and takes its inputs on: accelerate's execution device when it is dispatched
     (its first weights may be offloaded, on ``meta``), else that of its first parameter."""
     return execution_device(model) or next(model.parameters()).device
-
-
-def _hooks(module: nn.Module) -> list[Any]:
-    """The accelerate hooks on ``module`` itself (those of a ``SequentialHook`` one by one)."""
-    hook = module.__dict__.get(HOOK_ATTR)
-    return [] if hook is None else list(getattr(hook, "hooks", None) or [hook])
-
-
-def _hook_device(module: nn.Module) -> torch.device | None:
-    """The execution device of ``module``'s own accelerate hook, or None."""
-    for hook in _hooks(module):
-        device = getattr(hook, "execution_device", None)
-        if device is not None:
-            return torch.device(device)  # an index names the accelerator, as for accelerate
-    return None
 
 
 def parameter_device(module: nn.Module) -> torch.device | None:
@@ -106,40 +87,3 @@ def restore_forward(module: nn.Module) -> None:
         module.__dict__.pop("forward", None)
     else:
         module.__dict__[slot] = types.MethodType(type(module).forward, module)
-
-
-def is_offloaded(module: nn.Module) -> bool:
-    """Whether accelerate offloads ``module``'s own tensors (they are ``meta`` between its hook's calls)."""
-    hook = module.__dict__.get(HOOK_ATTR)  # read on every attention call: kept short
-    return hook is not None and any(getattr(h, "offload", False) for h in getattr(hook, "hooks", (hook,)))
-
-
-_TAKING_BACK = threading.Lock()
-
-
-def keep_resident(module: nn.Module) -> None:
-    """Take back from accelerate the tensors of ``module`` and its submodules that it offloads: its hooks put their
-    values back (`ModelHook.detach_hook`), and they stay, for good, on the hooks' execution device."""
-    with _TAKING_BACK:  # a model is shared by threads: the first caller takes them back, the others find them
-        for sub in module.modules():
-            if not is_offloaded(sub):
-                continue
-            stored = next(hook.weights_map for hook in _hooks(sub) if getattr(hook, "offload", False)) or {}
-            lost = [
-                name for name, t in sub.named_parameters(recurse=False) if t.is_meta and name not in stored
-            ]
-            if lost:
-                raise ValueError(
-                    f"accelerate offloaded this model's patch parameters ({', '.join(lost)}) without their values: "
-                    "it was dispatched after it was patched, from a state dict that lacked them (PEFT does so when "
-                    "it loads an adapter onto a model offloaded to CPU or disk). Patch the model after dispatching "
-                    "it; for an adapter trained with learnable patch parameters, load it onto the model loaded "
-                    "whole, merge it (merge_and_unload) and save it, then load that with hfa.from_pretrained("
-                    "ModelClass, path, device_map=...)."
-                )
-            device = _hook_device(sub)
-            sub.__dict__[HOOK_ATTR].detach_hook(sub)
-            for attr in (HOOK_ATTR, HOOKED_FORWARD_ATTR, "forward"):
-                sub.__dict__.pop(attr, None)
-            if device is not None:
-                sub.to(device)

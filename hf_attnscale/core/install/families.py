@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from .roformer import roformer_self_attention_forward
+from hf_attnscale.core.install.roformer import roformer_self_attention_forward
 
 ATTENTION_ENTRY = "ALL_ATTENTION_FUNCTIONS"
 SKIPPED_CLASSES = re.compile(r"Cross|Vision|Audio|Image|VQVAE|Residual")

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .config import AttnScaleConfig
+from hf_attnscale.core.options.config import AttnScaleConfig
 
 
 def ssmax_init(train_length: int) -> float:

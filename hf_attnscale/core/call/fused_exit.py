@@ -1,7 +1,7 @@
 """A faster exit for the CPU, guarded: PyTorch's CPU flash kernel at the model's own width, its log-sum-exp
 turned into the exit.
 
-The public formulation (`hf_attnscale.core.exit.sdpa_exit_attention`) widens every head by two channels, which
+The public formulation (`hf_attnscale.core.call.exit.sdpa_exit_attention`) widens every head by two channels, which
 the CPU kernel pays for in full (about 8% of attention time at width 64, 12% at 8k tokens). Here the kernel runs
 unwidened and returns ``lse``, the log-sum-exp of the real keys' scores; one more key of value zero and logit
 ``s`` then scales each row by ``w = σ(lse − s)``::
@@ -31,7 +31,7 @@ from types import SimpleNamespace
 import torch
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from .exit import sdpa_exit_attention
+from hf_attnscale.core.call.exit import sdpa_exit_attention
 
 ENV_SWITCH = "HF_ATTNSCALE_FUSED_EXIT"
 

@@ -20,9 +20,9 @@ from typing import Any
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from .attention import AttentionFn, scaled_attention
-from .hooks import take_hooks
-from .state import state_of
+from hf_attnscale.core.call.hooks import take_hooks
+from hf_attnscale.core.call.scaled import AttentionFn, scaled_attention
+from hf_attnscale.core.call.state import state_of
 
 PREFIX = "hfa_"
 SUPPORTED_BACKENDS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")

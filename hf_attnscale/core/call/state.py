@@ -7,17 +7,13 @@ patched, and how" is answered by its modules, never by a name in a shared config
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 from torch import nn
 
-from hf_attnscale.core.wrappers import unwrap
-
-from .config import AttnScaleConfig
-from .gate import make_gate
-from .laws import ssmax_init
-from .offload import is_offloaded, keep_resident
+from hf_attnscale.core.call.gate import make_gate
+from hf_attnscale.core.call.resident import is_offloaded, keep_resident
+from hf_attnscale.core.options.config import AttnScaleConfig
+from hf_attnscale.core.options.laws import ssmax_init
 
 STATE_NAME = "hfa"
 """Name of the child module that holds a patched attention module's state (and learnable parameters)."""
@@ -29,7 +25,7 @@ class AttnScaleState(nn.Module):
     Being a child module named ``hfa``, its parameters appear as ``...self_attn.hfa.sink`` and
     ``...self_attn.hfa.ssmax`` in the state dict, so ``save_pretrained`` writes them, and PEFT can train them
     via ``modules_to_save=["hfa"]``. (The exit's parameter keeps the name ``sink``, the name saved checkpoints
-    hold.) It holds nothing per call: the module is shared by every caller (`hf_attnscale.core.hooks`).
+    hold.) It holds nothing per call: the module is shared by every caller (`hf_attnscale.core.call.hooks`).
     """
 
     def __init__(self, config: AttnScaleConfig, num_heads: int, gate_features: tuple[int, int] | None = None):
@@ -86,13 +82,6 @@ def active_state(child: nn.Module | None) -> AttnScaleState | None:
     return original if isinstance(original, AttnScaleState) else None
 
 
-def patched_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """``(name, module)`` of every module of ``model`` (unwrapped) that carries a patch state, in order."""
-    for name, module in unwrap(model).named_modules():
-        if module._modules.get(STATE_NAME) is not None:
-            yield name, module
-
-
 def state_of(module: nn.Module) -> AttnScaleState | None:
     """The state in force on one attention module, ready to run, or None.
 
@@ -104,16 +93,3 @@ def state_of(module: nn.Module) -> AttnScaleState | None:
     if state is not None and is_offloaded(state):
         keep_resident(child)
     return state
-
-
-def get_config(model: nn.Module) -> AttnScaleConfig | None:
-    """The `AttnScaleConfig` in force on ``model`` (or any wrapper of it, or any model inside it), or None.
-
-    Only a patch whose state is installed counts: a model built from a patched model's config, or loaded
-    without `hfa.patch`, reports None even though its config records a patch.
-    """
-    for _, module in patched_modules(model):
-        state = active_state(module._modules[STATE_NAME])
-        if state is not None:
-            return state.config
-    return None

@@ -21,11 +21,10 @@ from typing import Any
 
 from torch import nn
 
-from hf_attnscale.core.wrappers import wrapped
-
-from .families import Rotary
-from .gate import gate_input
-from .hooks import HOOKS_KWARG, CallHooks, ambient_hooks, using_hooks
+from hf_attnscale.core.call.gate import gate_input
+from hf_attnscale.core.call.hooks import HOOKS_KWARG, CallHooks, ambient_hooks, using_hooks
+from hf_attnscale.core.install.families import Rotary
+from hf_attnscale.core.install.wrappers import wrapped
 
 ATTENTION_STEP = "attention_step"
 CACHE_ARGUMENTS = ("past_key_values", "cache", "layer_past")

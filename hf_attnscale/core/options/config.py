@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import Field, asdict, dataclass, field, fields
 from typing import Any, Literal, get_args
 
-from hf_attnscale.core.validation import check_int
+from hf_attnscale.core.options.validation import check_int
 
 CONFIG_KEY = "hf_attnscale"
 """Attribute of `model.config` that holds the patch, so `save_pretrained` writes it to config.json."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from hf_attnscale.core.config import OPTIONS, AttnScaleConfig, read_bool
+from hf_attnscale.core.options.config import OPTIONS, AttnScaleConfig, read_bool
 
 LENGTH_OPTION = "train_length"
 """The option whose flag a caller may rename (the trainers' ``--scale-length``); it is stored as ``scale_length``."""
@@ -20,7 +20,7 @@ def add_patch_arguments(
     length_help: str | None = None,
     exits: bool = True,
 ) -> argparse._ArgumentGroup:
-    """Add a flag for each patch option (`hf_attnscale.core.config.OPTIONS`: ``--scale``, the length flag,
+    """Add a flag for each patch option (`hf_attnscale.core.options.config.OPTIONS`: ``--scale``, the length flag,
     ``--clamp``, ...), read as the option reads text; ``exits=False`` leaves out the options that act on what a
     head may output (exit, clipped softmax, gate).
 

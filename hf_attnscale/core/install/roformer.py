@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import scaled_attention
-from .hooks import take_hooks
-from .state import state_of
+from hf_attnscale.core.call.hooks import take_hooks
+from hf_attnscale.core.call.scaled import scaled_attention
+from hf_attnscale.core.call.state import state_of
 
 
 def _roformer_eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):

@@ -4,7 +4,7 @@ With ``γ < 0`` a head can put exactly zero weight on a token (and with ``ζ > 1
 huge logit to do nothing. The clip acts on the probabilities, which no fused kernel exposes: on every backend
 the wrapper runs this eager formula itself, materialising ``B·H·Tq·Tk`` float32 scores per layer, as eager
 attention does. The backend's own conventions are kept: its mask (visible keys counted as in
-`hf_attnscale.core.masks.visible_keys`, a float mask's values added), the family's soft-capping where it
+`hf_attnscale.core.call.masks.visible_keys`, a float mask's values added), the family's soft-capping where it
 passes one, its relative position bias, and its own sinks (``s_aux``) as a zero-valued column of the softmax.
 """
 
@@ -15,7 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .masks import visible_keys
+from hf_attnscale.core.call.masks import visible_keys
 
 
 def clipped_softmax_attention(

@@ -1,16 +1,16 @@
 """`patch` / `unpatch`: apply a config to one model instance, atomically and reversibly.
 
 Patching a model, in named steps: resolve the config (the options, or the one saved in the model's config),
-find the attention modules (`hf_attnscale.core.families`), build their states, fill in learned values saved
+find the attention modules (`hf_attnscale.core.install.families`), build their states, fill in learned values saved
 with the model, then install everything or nothing. What is installed on each attention module:
 
 * a child module ``hfa`` (`AttnScaleState`): options and learnable parameters;
 * ``module.config``: a `PatchedConfigView`, which routes its attention calls to the hfa wrapper;
-* for RoPE decoders, a forward that lets a `SinkCache` run the attention step (`hf_attnscale.core.routing`);
+* for RoPE decoders, a forward that lets a `SinkCache` run the attention step (`hf_attnscale.core.install.routing`);
   for families that bypass the AttentionInterface (RoFormer), their replacement forward.
 
 On a model dispatched by accelerate (a ``device_map``, CPU or disk offload) the parameters live on each module's
-execution device and a forward goes under the module's accelerate hook (`hf_attnscale.core.offload`).
+execution device and a forward goes under the module's accelerate hook (`hf_attnscale.core.install.offload`).
 
 The model's config records the patch under ``hf_attnscale``, so ``save_pretrained`` persists it; a task model
 first gets a private copy of its config, so that models built from one config object keep separate records.
@@ -28,17 +28,10 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from hf_attnscale.core.weights import CheckpointNotFound, read_tensors, safetensors_files
-from hf_attnscale.core.wrappers import unwrap
-
-from .attention import check_exit_backend
-from .config import (
-    CONFIG_KEY,
-    AttnScaleConfig,
-    read_saved_config,
-)
-from .dispatch import PatchedConfigView, check_backend, routed_config
-from .families import (
+from hf_attnscale.core.call.dispatch import PatchedConfigView, check_backend, routed_config
+from hf_attnscale.core.call.scaled import check_exit_backend
+from hf_attnscale.core.call.state import STATE_NAME, AttnScaleState, state_of
+from hf_attnscale.core.install.families import (
     Rotary,
     Rule,
     attention_modules,
@@ -48,10 +41,19 @@ from .families import (
     rule_for,
     takes_position_embeddings,
 )
-from .gate import has_gate_hooks, set_gate_hooks
-from .offload import forward_slot, parameter_device, restore_forward, run_device, set_forward
-from .routing import ROTARY_ATTR, cache_routed_forward
-from .state import STATE_NAME, AttnScaleState, get_config, patched_modules, state_of
+from hf_attnscale.core.install.gate_hooks import has_gate_hooks, set_gate_hooks
+from hf_attnscale.core.install.installed import get_config, patched_modules
+from hf_attnscale.core.install.offload import (
+    forward_slot,
+    parameter_device,
+    restore_forward,
+    run_device,
+    set_forward,
+)
+from hf_attnscale.core.install.routing import ROTARY_ATTR, cache_routed_forward
+from hf_attnscale.core.install.weights import CheckpointNotFound, read_tensors, safetensors_files
+from hf_attnscale.core.install.wrappers import unwrap
+from hf_attnscale.core.options.config import CONFIG_KEY, AttnScaleConfig, read_saved_config
 
 M = TypeVar("M", bound=nn.Module)
 """Where a patched RoPE attention module keeps ``(the model's rotary embedding, its layer type)``: in its
