@@ -93,14 +93,14 @@ def _measures(
     k_len = key.shape[2]
     key = key.float().repeat_interleave(heads // key.shape[1], dim=1)
     scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
-    softcap = kwargs.get("softcap") if backend == "eager" else None
+    softcap = kwargs.get("softcap") if backend.soft_caps else None
     visible = visible_keys(
         q_len,
         k_len,
         attention_mask,
         causal=causal,
         sliding_window=kwargs.get("sliding_window"),
-        bottom_right=backend.startswith("flash"),
+        bottom_right=backend.bottom_right,
         device=query.device,
     ).expand(batch, heads, q_len, k_len)
     out = {name: torch.zeros(heads, q_len) for name in (*MEASURES, "visible")}

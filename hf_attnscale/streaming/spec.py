@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from hf_attnscale.core.call.backends import check_backend
 from hf_attnscale.core.call.gate import gate_input
 from hf_attnscale.core.call.state import state_of
 from hf_attnscale.core.install.families import attention_modules, takes_position_embeddings
@@ -64,17 +65,14 @@ def check_streaming_model(model: nn.Module) -> None:
         )
     for module in modules:
         _check_module(module)
-    check_backend(root.config._attn_implementation)
+    check_streaming_backend(root.config._attn_implementation)
 
 
-def check_backend(attn_implementation: str | None) -> None:
+def check_streaming_backend(attn_implementation: str | None) -> None:
     """Raise ValueError unless the backend takes the dense band mask streaming needs (`STREAMING_BACKENDS`)."""
-    inner = attn_implementation or "eager"
-    if inner not in STREAMING_BACKENDS:
-        raise ValueError(
-            f"SinkCache streaming needs {' or '.join(STREAMING_BACKENDS)} attention (its band mask is a dense 4D "
-            f"mask); this model uses {inner!r}. Switch with model.set_attn_implementation('sdpa')."
-        )
+    check_backend(
+        attn_implementation, STREAMING_BACKENDS, "SinkCache streaming (its band mask is a dense 4D mask)"
+    )
 
 
 def _check_family(model_config: Any) -> None:
@@ -132,7 +130,7 @@ class StreamSpec:
 
     def check_call(self) -> None:
         """Refuse a call the model's current backend cannot run (it may change between calls)."""
-        check_backend(self.model_config._attn_implementation)
+        check_streaming_backend(self.model_config._attn_implementation)
 
     def layer(self, module: nn.Module, hidden_states: torch.Tensor, kwargs: dict) -> LayerSpec:
         """The `LayerSpec` of ``module``, found at its first call (whose ``hidden_states`` and ``kwargs`` these are);

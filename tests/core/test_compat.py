@@ -141,11 +141,11 @@ def test_the_patch_uses_transformers_position_bias_mask_where_it_has_one():
     position bias into the mask with transformers' function itself."""
     from transformers.integrations import sdpa_attention
 
-    from hf_attnscale.core.call import scaled as attention
+    from hf_attnscale.core.call import backends
 
     theirs = getattr(sdpa_attention, "create_position_bias_mask", None)
     expected = compat.create_position_bias_mask if theirs is None else theirs
-    assert attention.create_position_bias_mask is expected
+    assert backends.create_position_bias_mask is expected
 
 
 def test_position_bias_mask_blocks_with_the_lowest_finite_value():

@@ -20,7 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import hf_attnscale as hfa
-from hf_attnscale.core.call import exit, scaled as attention
+from hf_attnscale.core.call import backends, exit
 
 SINKS = torch.tensor([0.0, 1.5, -2.0, 3.0])
 
@@ -221,7 +221,7 @@ def test_a_family_with_sinks_of_its_own_passes_one_row_of_sinks(monkeypatch):
         return out.transpose(1, 2).contiguous(), None
 
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "flex_attention", recording_flex)
-    monkeypatch.setattr(attention, "check_exit_backend", lambda backend, device: None)  # flex sinks need CUDA
+    monkeypatch.setattr(backends.Backend, "check_exit", lambda backend, device: None)  # flex sinks need CUDA
     model = hfa.patch(zoo_model("granite_swa", "eager"), sink_logit=1.5)
     with torch.no_grad():
         for layer in model.model.layers:

@@ -13,36 +13,23 @@ is set to *now*. So:
 
 from __future__ import annotations
 
-import sys
 import threading
 from typing import Any
 
-from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
+from hf_attnscale.core.call.backends import BACKENDS, Backend, check_backend
+from hf_attnscale.core.call.exit import AttentionFn
 from hf_attnscale.core.call.hooks import take_hooks
-from hf_attnscale.core.call.scaled import AttentionFn, scaled_attention
+from hf_attnscale.core.call.scaled import scaled_attention
 from hf_attnscale.core.call.state import state_of
 
 PREFIX = "hfa_"
-SUPPORTED_BACKENDS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
-EAGER_SUFFIX = "eager_attention_forward"
 
 
 def backend_name(backend: str) -> str:
     """The registered name of the wrapper around ``backend``."""
     return PREFIX + backend
-
-
-def check_backend(backend: str | None) -> str:
-    """``backend`` (None counts as eager) if hf_attnscale supports it; else ValueError naming the valid ones."""
-    backend = backend or "eager"
-    if backend not in SUPPORTED_BACKENDS:
-        raise ValueError(
-            f"Attention backend {backend!r} is not supported by hf_attnscale; supported: "
-            f"{', '.join(SUPPORTED_BACKENDS)}. Switch with model.set_attn_implementation('sdpa')."
-        )
-    return backend
 
 
 _REGISTERING = threading.Lock()
@@ -51,9 +38,9 @@ _REGISTERING = threading.Lock()
 def register_backends() -> None:
     """Register the wrapper around every supported backend (once per process, whichever thread asks first)."""
     with _REGISTERING:
-        for backend in SUPPORTED_BACKENDS:
-            if backend_name(backend) not in ALL_ATTENTION_FUNCTIONS:
-                AttentionInterface.register(backend_name(backend), _make_wrapper(backend))
+        for backend in BACKENDS.values():
+            if backend_name(backend.name) not in ALL_ATTENTION_FUNCTIONS:
+                AttentionInterface.register(backend_name(backend.name), _make_wrapper(backend))
 
 
 class PatchedConfigView:
@@ -96,26 +83,11 @@ def routed_config(config: Any) -> PatchedConfigView:
     return PatchedConfigView(config.model_config if isinstance(config, PatchedConfigView) else config)
 
 
-_EAGER: dict[type, AttentionFn] = {}
+def _make_wrapper(backend: Backend) -> AttentionFn:
+    """The attention function registered as ``hfa_<backend>``: what the backend does was decided in ``backend``."""
 
-
-def eager_function(module: nn.Module) -> AttentionFn:
-    """The eager attention function of ``module``'s own modeling file: the default its forward passes."""
-    cls = type(module)
-    if cls not in _EAGER:
-        names = getattr(getattr(cls.forward, "__code__", None), "co_names", ())
-        wanted = [n for n in names if n.endswith(EAGER_SUFFIX)] or [EAGER_SUFFIX]
-        namespace = vars(sys.modules[cls.__module__])
-        found = next((namespace[n] for n in wanted if n in namespace), None)
-        if found is None:
-            raise ValueError(f"{cls.__name__} has no eager attention function ({EAGER_SUFFIX}) to wrap.")
-        _EAGER[cls] = found
-    return _EAGER[cls]
-
-
-def _make_wrapper(backend: str) -> AttentionFn:
     def hfa_attention_forward(module, query, key, value, attention_mask, **kwargs):
-        backend_fn = eager_function(module) if backend == "eager" else ALL_ATTENTION_FUNCTIONS[backend]
+        backend_fn = backend.function(module)
         hooks = take_hooks(kwargs)
         state = state_of(module)
         if state is None:  # e.g. cross-attention modules of a patched model
@@ -124,5 +96,5 @@ def _make_wrapper(backend: str) -> AttentionFn:
             state, hooks, backend, backend_fn, module, query, key, value, attention_mask, **kwargs
         )
 
-    hfa_attention_forward.__name__ = f"hfa_{backend}_attention_forward"
+    hfa_attention_forward.__name__ = f"hfa_{backend.name}_attention_forward"
     return hfa_attention_forward

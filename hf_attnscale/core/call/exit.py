@@ -26,8 +26,17 @@ are zero are one exit of logit ``logaddexp(s₁, s₂)``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+"""A transformers attention function: ``(module, q, k, v, mask, **kwargs) -> (output, weights or None)``."""
+ExitFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+"""One way to run the exit: ``(backend_fn, module, q, k, v, mask, exit_logits, causal, **kwargs)``, returning
+what a backend returns, the output ``(B, Tq, H, Dv)`` and the weights over the real keys (or None)."""
 
 EXIT_CHANNELS = 2  # the logit in two parts: hi = round(s / scale), lo = the rest
 MASK_CHUNK = 2**25
@@ -46,7 +55,17 @@ def combined_exit_logits(exit_logits: torch.Tensor, own_sinks: torch.Tensor | No
     return torch.logaddexp(exit_logits.float(), own_sinks.float().to(exit_logits.device))
 
 
-def sdpa_exit_attention(backend_fn, module, query, key, value, mask, exit_logits, causal, **kwargs):
+def sdpa_exit_attention(
+    backend_fn: AttentionFn,
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    exit_logits: torch.Tensor,
+    causal: bool,
+    **kwargs,
+) -> torch.Tensor:
     """``backend_fn`` (transformers' sdpa wrapper) with the exit on extra channels; ``(B, Tq, H, Dv)``.
 
     q ``(B, H, Tq, D)``, k ``(B, Hkv, Tk, D)``, v ``(B, Hkv, Tk, Dv)``; ``mask`` None or 4D (bool or additive);
@@ -86,7 +105,17 @@ def sdpa_exit_attention(backend_fn, module, query, key, value, mask, exit_logits
     return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0].contiguous()
 
 
-def extra_key_attention(backend_fn, module, query, key, value, mask, exit_logits, causal, **kwargs):
+def extra_key_attention(
+    backend_fn: AttentionFn,
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    exit_logits: torch.Tensor,
+    causal: bool,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``backend_fn`` (a family's eager attention) over a zero key and value first, whose logit ``s`` comes from
     a mask column; returns the backend's output and its weights over the real keys.
 

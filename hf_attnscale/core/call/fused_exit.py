@@ -27,11 +27,13 @@ import os
 import threading
 import warnings
 from types import SimpleNamespace
+from typing import Any, NamedTuple
 
 import torch
+from torch import nn
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from hf_attnscale.core.call.exit import sdpa_exit_attention
+from hf_attnscale.core.call.exit import AttentionFn, sdpa_exit_attention
 
 ENV_SWITCH = "HF_ATTNSCALE_FUSED_EXIT"
 
@@ -76,11 +78,43 @@ class _FlashExit(torch.autograd.Function):
         return *grads, grad_exit, None, None, None
 
 
-_verdicts: dict[tuple, bool] = {}
+class MaskKind(NamedTuple):
+    """What of a 4D mask the check must reproduce: its dtype and which of its dims are not broadcast."""
+
+    dtype: str
+    per_batch: bool
+    per_head: bool
+    per_query: bool
+
+
+class Combination(NamedTuple):
+    """What the first-use check of the fused path covers: one verdict per combination."""
+
+    dtype: str
+    head_dim: int
+    heads: int
+    kv_heads: int
+    mask: MaskKind | None
+    causal: bool
+    queries: str  # "one", "square" (as many queries as keys) or "more keys"
+    batched: bool
+
+
+_verdicts: dict[Combination, bool] = {}
 _lock = threading.Lock()
 
 
-def exit_attention(backend_fn, module, query, key, value, mask, exit_logits, causal, **kwargs):
+def exit_attention(
+    backend_fn: AttentionFn,
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    exit_logits: torch.Tensor,
+    causal: bool,
+    **kwargs,
+) -> torch.Tensor:
     """The exit under sdpa: the fused CPU kernel where it serves and has passed its check, else the public
     formulation (`sdpa_exit_attention`); arguments and result as there."""
     combination = _combination(module, query, key, value, mask, causal, kwargs)
@@ -89,7 +123,16 @@ def exit_attention(backend_fn, module, query, key, value, mask, exit_logits, cau
     return fused_exit_attention(module, query, key, value, mask, exit_logits, causal, kwargs.get("scaling"))
 
 
-def fused_exit_attention(module, query, key, value, mask, exit_logits, causal, scaling=None):
+def fused_exit_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    exit_logits: torch.Tensor,
+    causal: bool,
+    scaling: float | None = None,
+) -> torch.Tensor:
     """The exit through the CPU kernel, unchecked; ``(B, Tq, H, D)`` like `sdpa_exit_attention`."""
     groups = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
@@ -106,7 +149,7 @@ def fused_exit_attention(module, query, key, value, mask, exit_logits, causal, s
     return out.transpose(1, 2).contiguous()
 
 
-def _combination(module, query, key, value, mask, causal, kwargs) -> tuple | None:
+def _combination(module, query, key, value, mask, causal, kwargs) -> Combination | None:
     """What the check must cover for this call, or None where the fused path does not serve it."""
     if (
         query.device.type != "cpu"
@@ -120,23 +163,25 @@ def _combination(module, query, key, value, mask, causal, kwargs) -> tuple | Non
     ):
         return None
     mask_kind = (
-        None if mask is None else (str(mask.dtype), mask.shape[0] > 1, mask.shape[1] > 1, mask.shape[2] > 1)
+        None
+        if mask is None
+        else MaskKind(str(mask.dtype), mask.shape[0] > 1, mask.shape[1] > 1, mask.shape[2] > 1)
     )
     q_len, k_len = query.shape[2], key.shape[2]
     queries = "one" if q_len == 1 else ("square" if q_len == k_len else "more keys")
-    return (
-        str(query.dtype),
-        query.shape[-1],
-        query.shape[1],
-        key.shape[1],
-        mask_kind,
-        bool(causal),
-        queries,
-        query.shape[0] > 1,
+    return Combination(
+        dtype=str(query.dtype),
+        head_dim=query.shape[-1],
+        heads=query.shape[1],
+        kv_heads=key.shape[1],
+        mask=mask_kind,
+        causal=bool(causal),
+        queries=queries,
+        batched=query.shape[0] > 1,
     )
 
 
-def _passes(combination: tuple, backend_fn, module, kwargs) -> bool:
+def _passes(combination: Combination, backend_fn, module, kwargs) -> bool:
     """Whether ``combination`` has passed its first-use check (running it now if it has not run)."""
     verdict = _verdicts.get(combination)
     if verdict is None:
@@ -156,9 +201,9 @@ def _passes(combination: tuple, backend_fn, module, kwargs) -> bool:
     return verdict
 
 
-def _check(combination: tuple, backend_fn, module, scaling) -> str | None:
+def _check(combination: Combination, backend_fn, module, scaling) -> str | None:
     """Run ``combination`` fused and public on a small sharp input, forward and backward; None if they agree."""
-    dtype_name, dim, heads, kv_heads, mask_kind, causal, queries, batched = combination
+    dtype_name, dim, heads, kv_heads, mask_kind, causal, queries, batched = combination  # a Combination
     dtype = getattr(torch, dtype_name.removeprefix("torch."))
     generator = torch.Generator().manual_seed(0)
     batch = 2 if batched else 1

@@ -28,8 +28,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from hf_attnscale.core.call.dispatch import PatchedConfigView, check_backend, routed_config
-from hf_attnscale.core.call.scaled import check_exit_backend
+from hf_attnscale.core.call.backends import BACKENDS, check_backend
+from hf_attnscale.core.call.dispatch import PatchedConfigView, routed_config
 from hf_attnscale.core.call.state import STATE_NAME, AttnScaleState, state_of
 from hf_attnscale.core.install.families import (
     Rotary,
@@ -142,7 +142,7 @@ def _installation(root: nn.Module, config: AttnScaleConfig) -> _Installation:
         raise ValueError(f"zero_kv / sink_logit: {rule.no_exit}. Use the scale options alone.")
     backend = check_backend(root.config._attn_implementation)
     if config.has_exit:
-        check_exit_backend(backend, run_device(root))
+        BACKENDS[backend].check_exit(run_device(root))
     states = [_new_state(config, m, root.config) for m in modules]
     rotary = [rotary_for(root, m) if takes_position_embeddings(m) else None for m in modules]
     return _Installation(config, rule, modules, states, rotary)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hf_attnscale.core.call.backends import BACKENDS
 from hf_attnscale.core.call.hooks import take_hooks
 from hf_attnscale.core.call.scaled import scaled_attention
 from hf_attnscale.core.call.state import state_of
@@ -64,7 +65,7 @@ def roformer_self_attention_forward(
     out, probs = scaled_attention(
         state_of(self),
         take_hooks(kwargs),
-        "eager",
+        BACKENDS["eager"],
         _roformer_eager,
         self,
         query,
