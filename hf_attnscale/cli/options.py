@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from hf_attnscale.evaluation.corpus import Document
-    from hf_attnscale.evaluation.report import LengthMark
+    from hf_attnscale.evaluation.lengths import LengthMark
 
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 DEFAULT_DATA = "builtin:stdlib-heldout"
@@ -139,10 +139,10 @@ def trained_length(args: argparse.Namespace, model: Any) -> int | None:
 
 
 def length_marks(args: argparse.Namespace, model: Any) -> list[LengthMark]:
-    """What the plot marks (`hf_attnscale.evaluation.report.length_marks`): the config's
+    """What the plot marks (`hf_attnscale.evaluation.lengths.length_marks`): the config's
     ``max_position_embeddings`` as the trained length where it has one, and a ``--train-length`` that differs
     from it as the patch's L (the trained length where the config has none)."""
-    from hf_attnscale.evaluation.report import length_marks
+    from hf_attnscale.evaluation.lengths import length_marks
 
     return length_marks(getattr(model.config, "max_position_embeddings", None), _given_length(args))
 

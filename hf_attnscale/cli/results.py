@@ -13,7 +13,8 @@ if TYPE_CHECKING:
     import torch
 
     from hf_attnscale.evaluation.corpus import Document
-    from hf_attnscale.evaluation.report import LengthMark, SweepResult, SweepRow
+    from hf_attnscale.evaluation.lengths import LengthMark
+    from hf_attnscale.evaluation.report import SweepResult, SweepRow
     from hf_attnscale.evaluation.sweep import OnVariant
     from hf_attnscale.evaluation.variants import Variant
 

@@ -1,6 +1,7 @@
-"""The sweep's plot (hf_attnscale.evaluation.report): it says what is true. The trained length names where it
-came from, the x axis follows the lengths swept, tick labels read well, every point lies under a tick, the
-legend covers no line, and an estimate from few tokens is drawn and labelled as one."""
+"""The sweep's plot (hf_attnscale.evaluation.figure, drawn by report.SweepResult.figure; its lengths named by
+hf_attnscale.evaluation.lengths): it says what is true. The trained length names where it came from, the x axis
+follows the lengths swept, tick labels read well, every point lies under a tick, the legend covers no line, and
+an estimate from few tokens is drawn and labelled as one."""
 
 from __future__ import annotations
 
@@ -11,15 +12,9 @@ from itertools import pairwise
 import numpy as np
 import pytest
 
-from hf_attnscale.evaluation.report import (
-    LengthMark,
-    SweepResult,
-    SweepRow,
-    length_label,
-    length_marks,
-    multiple,
-    x_limits,
-)
+from hf_attnscale.evaluation.figure import x_limits
+from hf_attnscale.evaluation.lengths import LengthMark, length_label, length_marks, multiple
+from hf_attnscale.evaluation.report import SweepResult, SweepRow
 from hf_attnscale.evaluation.variants import Variant
 
 RECOMPUTE = "re-computation (16; 1 token in 8)"

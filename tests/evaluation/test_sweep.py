@@ -161,7 +161,8 @@ def test_table_json_and_plot(tmp_path):
 def test_a_long_legend_goes_beside_the_plot(tmp_path):
     from matplotlib.image import imread
 
-    from hf_attnscale.evaluation.report import LEGEND_INSIDE, SweepResult, SweepRow
+    from hf_attnscale.evaluation.figure import LEGEND_INSIDE
+    from hf_attnscale.evaluation.report import SweepResult, SweepRow
 
     def result(count: int) -> SweepResult:
         variants = [Variant(f"variant {i}") for i in range(count)]
