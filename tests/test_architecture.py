@@ -30,6 +30,7 @@ LAZY_PACKAGE = "hf_attnscale.cli"
 LAZY_ALLOWED = (
     "hf_attnscale.diagnostics.plots",  # matplotlib
     "peft",
+    "accelerate",  # the [peft] extra: only processes that are joined need it (evaluation/processes.py)
     "lm_eval",
     "matplotlib",
     "datasets",
