@@ -34,8 +34,12 @@ def cache_settings(
                 f"sink_tokens={sink_tokens} needs a window: pass window=W (the cache holds sink_tokens + W tokens)."
             )
         return None
-    sinks = default_sinks if sink_tokens is None else sink_tokens
-    return check_int("sink_tokens", sinks, 0), check_int("window", window, 1)
+    return stream_size(default_sinks if sink_tokens is None else sink_tokens, window)
+
+
+def stream_size(sink_tokens: int, window: int) -> tuple[int, int]:
+    """``(sink_tokens, window)`` checked: integers, at least 0 sinks and a window of at least 1."""
+    return check_int("sink_tokens", sink_tokens, 0), check_int("window", window, 1)
 
 
 class SinkCacheLayer(CacheLayerMixin):
@@ -214,8 +218,8 @@ class SinkCache(Cache):
     attention_step = attention_step  # one attention module's step through this cache (streaming/step.py)
 
     def __init__(self, sink_tokens: int = DEFAULT_SINK_TOKENS, window: int = 1020):
-        self.sink_tokens = check_int("sink_tokens", sink_tokens, 0)
-        self.window = check_int("window", window, 1)
+        self.sink_tokens, self.window = stream_size(sink_tokens, window)
+        self.geometry = LayerGeometry(self.sink_tokens, self.window)  # what a global layer holds and reads
         super().__init__(layers=[])
         self.spec: StreamSpec | None = None  # what the stream knows of its model, from its first call on
         self.call: Call | None = None  # the model call under way
@@ -235,7 +239,21 @@ class SinkCache(Cache):
     def capacity(self) -> int:
         """The most tokens one layer ever holds: ``sink_tokens + window`` (a layer whose own sliding window is
         shorter than ``window`` holds only its own window, see `hf_attnscale.streaming.plan`)."""
-        return self.sink_tokens + self.window
+        return self.geometry.capacity
+
+    def start_call(
+        self,
+        model_config: Any,
+        first_layer: int,
+        attention_mask: torch.Tensor | None,
+        hidden_states: torch.Tensor,
+    ) -> None:
+        """A model call through the stream begins, at its first attention layer: the stream's first call finds
+        what the stream knows of its model (``model_config``); every call checks its backend, then its mask."""
+        if self.spec is None:
+            self.spec = StreamSpec(model_config, self.geometry)
+        self.spec.check_call()
+        self.call = Call.begin(first_layer, attention_mask, hidden_states)
 
     def layer(self, layer_idx: int, geometry: LayerGeometry) -> SinkCacheLayer:
         """The layer ``layer_idx``, which holds and reads what ``geometry`` says; made on first use."""
@@ -251,9 +269,10 @@ class SinkCache(Cache):
         """Store a layer's new keys and values as the call's plan says; return every key and value its queries
         read. Only the step of a patched module calls it (with the plan pending)."""
         pending = None if self.call is None else self.call.pending
-        if pending is None or pending[0] != layer_idx:
+        if pending is None or pending.layer_idx != layer_idx:
             raise ValueError(UNPATCHED_MESSAGE)
-        return self.layer(layer_idx, pending[1].geometry).update(key_states, value_states, *pending[1:])
+        layer = self.layer(layer_idx, pending.plan.geometry)
+        return layer.update(key_states, value_states, pending.plan, pending.rotations, pending.rope)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         # A mask of the new tokens only: the step reads their padding from its diagonal; the plan makes the mask.

@@ -75,14 +75,14 @@ class LayerGeometry:
         return self.sinks + self.window
 
 
-def layer_geometry(sinks: int, window: int, own_window: int | None) -> LayerGeometry:
-    """The geometry of a layer whose own sliding window is ``own_window`` (None: global) in a stream of ``sinks``
-    sinks and a ``window`` (see the module docstring)."""
-    if own_window is None or own_window >= sinks + window:
-        return LayerGeometry(sinks, window)
-    if own_window <= window:
+def layer_geometry(stream: LayerGeometry, own_window: int | None) -> LayerGeometry:
+    """The geometry of a layer whose own sliding window is ``own_window`` (None: global) in a stream whose global
+    layers hold ``stream`` (see the module docstring)."""
+    if own_window is None or own_window >= stream.capacity:
+        return stream
+    if own_window <= stream.window:
         return LayerGeometry(0, own_window)
-    return LayerGeometry(sinks, window, local=own_window)
+    return LayerGeometry(stream.sinks, stream.window, local=own_window)
 
 
 @dataclass(frozen=True)

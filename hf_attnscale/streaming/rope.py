@@ -45,7 +45,8 @@ def rotary_output(
 
 class RopeTable:
     """cos/sin of ``rotary`` (for one layer type) at integer positions, frequencies fixed at ``length`` tokens;
-    ``exact`` when they are computed in float64 from its ``inv_freq`` (else the module is called)."""
+    ``exact`` when they are computed in float64 from its ``inv_freq`` (else the module is called). ``width`` is
+    the rotary dims, None where the module gives no ``(cos, sin)`` pair (complex frequencies): no table then."""
 
     def __init__(self, rotary: nn.Module, layer_type: str | None, like: torch.Tensor, length: int) -> None:
         self.rotary, self.layer_type, self.dtype = rotary, layer_type, like.dtype
@@ -53,7 +54,12 @@ class RopeTable:
         # Position 0 first: a dynamic rotary that saw a long input resets to its original frequencies, so that the
         # call at `length` sets those of `length`. Under a lock: a dynamic rotary changes them in place.
         with _BUILDING:
-            rotary_output(rotary, layer_type, like, torch.zeros(1, 1, dtype=torch.long, device=device))
+            at_zero = rotary_output(
+                rotary, layer_type, like, torch.zeros(1, 1, dtype=torch.long, device=device)
+            )
+            self.width: int | None = None
+            if not (isinstance(at_zero, tuple) and len(at_zero) == 2):
+                return
             reference = rotary_output(rotary, layer_type, like, torch.arange(length, device=device)[None])
         self.width = reference[0].shape[-1]
         prefix = f"{layer_type}_" if layer_type else ""

@@ -23,7 +23,7 @@ from hf_attnscale.core.install.routing import cache_argument, rotary_of
 from hf_attnscale.core.install.wrappers import unwrap
 
 from .plan import LayerGeometry, layer_geometry
-from .rope import RopeFn, RopeTable, family_rotation, length_dependent, no_rotation, rotary_output
+from .rope import RopeFn, RopeTable, family_rotation, length_dependent, no_rotation
 
 STREAMING_BACKENDS = ("eager", "sdpa")
 ROPE_FUNCTION = "apply_rotary_pos_emb"  # the name under which an attention forward calls its family's RoPE
@@ -84,20 +84,24 @@ def _check_family(model_config: Any) -> None:
         raise ValueError(f"SinkCache cannot stream model_type {model_type!r}: {reason}.")
 
 
-def _check_module(module: nn.Module) -> None:
-    """Refuse an attention module as far as its code and the patch tell."""
+def _check_module(module: nn.Module) -> tuple[nn.Module, str | None, Any]:
+    """Refuse an attention module as far as its code and the patch tell; else its rotary module, the layer type
+    that rotary takes, and the family's rotation its forward calls."""
     if state_of(module) is None:
         raise ValueError(UNPATCHED_MESSAGE)
-    if rotary_of(module) is None:
+    rotary = rotary_of(module)
+    if rotary is None:
         raise ValueError(
             f"SinkCache cannot find the one rotary embedding that feeds {type(module).__name__} (none, or several "
             "to choose between), so it cannot place keys inside the cache."
         )
-    if _family_rope(module) is None:
+    family_rope = _family_rope(module)
+    if family_rope is None:
         raise ValueError(
             f"SinkCache cannot stream {type(module).__name__}: its forward does not rotate by its family's "
             f"{ROPE_FUNCTION}(q, k, cos, sin), with which pos-shift re-places keys."
         )
+    return (*rotary, family_rope)
 
 
 def _family_rope(module: nn.Module) -> Any:
@@ -119,12 +123,12 @@ class LayerSpec:
 
 
 class StreamSpec:
-    """What one stream knows of its model (``model_config``, checked here), found once; ``sinks`` and ``window``
-    are the stream's cache size."""
+    """What one stream knows of its model (``model_config``, checked here), found once; ``stream`` is what the
+    stream's global layers hold."""
 
-    def __init__(self, model_config: Any, sinks: int, window: int) -> None:
+    def __init__(self, model_config: Any, stream: LayerGeometry) -> None:
         _check_family(model_config)
-        self.model_config, self.sinks, self.window = model_config, sinks, window
+        self.model_config, self.stream = model_config, stream
         self.tables: dict[str | None, RopeTable] = {}  # by layer type (Gemma-3's sliding / full layers)
         self.layers: dict[int, LayerSpec] = {}
 
@@ -136,32 +140,29 @@ class StreamSpec:
         """The `LayerSpec` of ``module``, found at its first call (whose ``hidden_states`` and ``kwargs`` these are);
         raises ValueError, saying why, if the module cannot stream."""
         if module.layer_idx not in self.layers:
-            _check_module(module)
-            rotary, layer_type = rotary_of(module)
+            rotary, layer_type, family_rope = _check_module(module)
             if layer_type not in self.tables:
                 self.tables[layer_type] = self._table(module, rotary, layer_type, hidden_states)
             table = self.tables[layer_type]
-            rope = family_rotation(_family_rope(module), table.width)
+            rope = family_rotation(family_rope, table.width)
             if not _applies_rope(module, hidden_states, table.width, kwargs):
                 rope = no_rotation
             # Qwen2/3, Gemma-2/3 and Cohere-2 keep a sliding window per layer (None on global layers); Mistral
             # and Phi-3 in the config. 0 is none (Qwen2-MoE's full layers).
             own = getattr(module, "sliding_window", getattr(module.config, "sliding_window", None))
-            geometry = layer_geometry(self.sinks, self.window, own or None)
+            geometry = layer_geometry(self.stream, own or None)
             self.layers[module.layer_idx] = LayerSpec(rope, table, geometry)
         return self.layers[module.layer_idx]
 
     def _table(
         self, module: nn.Module, rotary: nn.Module, layer_type: str | None, like: torch.Tensor
     ) -> RopeTable:
-        at_zero = torch.zeros(1, 1, dtype=torch.long, device=like.device)
-        output = rotary_output(rotary, layer_type, like, at_zero)
-        if not (isinstance(output, tuple) and len(output) == 2):
+        table = RopeTable(rotary, layer_type, like, self.stream.capacity)
+        if table.width is None:
             raise ValueError(
                 f"SinkCache cannot stream {type(module).__name__}: its RoPE is not a (cos, sin) pair (complex "
                 "frequencies, as in Llama-4 and DeepSeek-V2), so pos-shift cannot re-place its keys."
             )
-        table = RopeTable(rotary, layer_type, like, self.sinks + self.window)
         if not table.exact and length_dependent(rotary):
             raise ValueError(
                 f"SinkCache cannot fix the frequencies of this model's {rotary.rope_type} RoPE "

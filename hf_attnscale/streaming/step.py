@@ -12,21 +12,32 @@ log-n scaling (n counted from the plan's mask) and the exit compose with no spec
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
 from hf_attnscale.core.call.hooks import CallHooks
+from hf_attnscale.core.call.masks import visible_entries
 from hf_attnscale.core.install.routing import cache_argument, forward_with_hooks
 
 from .plan import Rotations, SlotRecord, StepPlan, build_plan
 from .rope import CosSin, RopeFn
-from .spec import LayerSpec, StreamSpec, token_slice
+from .spec import LayerSpec, token_slice
 
 PIECE_TOKENS = 1024
 """Calls with more new tokens than this (long prompts) are processed in pieces inside each layer."""
 _NO_HOOKS = CallHooks()
+
+
+class PendingUpdate(NamedTuple):
+    """What the running layer's ``cache.update`` does: store and return keys for ``layer_idx`` under ``plan``."""
+
+    layer_idx: int
+    plan: StepPlan
+    rotations: Rotations
+    rope: RopeFn
 
 
 @dataclass
@@ -38,7 +49,15 @@ class Call:
     all_valid: bool
     # each piece's plan and rotations, by the layers' geometry, the piece's start and the layers' RoPE type
     plans: dict[tuple, tuple[StepPlan, Rotations]] = field(default_factory=dict)
-    pending: tuple[int, StepPlan, Rotations, RopeFn] | None = None  # what the running layer's update does
+    pending: PendingUpdate | None = None
+
+    @classmethod
+    def begin(
+        cls, first_layer: int, attention_mask: torch.Tensor | None, hidden_states: torch.Tensor
+    ) -> Call:
+        """The call whose first attention layer gets ``hidden_states`` and ``attention_mask``."""
+        new_valid = new_token_validity(attention_mask, *hidden_states.shape[:2], hidden_states.device)
+        return cls(first_layer, new_valid, attention_mask is None or bool(new_valid.all()))
 
 
 def attention_step(
@@ -53,11 +72,7 @@ def attention_step(
     """One attention module's step over ``hidden_states`` (B, q, hidden) through ``cache``, a `SinkCache`; the
     plan's positions replace the model's ``position_embeddings``."""
     if cache.call is None or module.layer_idx <= cache.call.first_layer:  # a new model call: its first layer
-        if cache.spec is None:  # the stream's first call
-            cache.spec = StreamSpec(module.config.model_config, cache.sink_tokens, cache.window)
-        cache.spec.check_call()
-        new_valid = new_token_validity(attention_mask, *hidden_states.shape[:2], hidden_states.device)
-        cache.call = Call(module.layer_idx, new_valid, attention_mask is None or bool(new_valid.all()))
+        cache.start_call(module.config.model_config, module.layer_idx, attention_mask, hidden_states)
     call, spec = cache.call, cache.spec.layer(module, hidden_states, kwargs)
     q_len, outputs, weights = hidden_states.shape[1], [], None
     for start in range(0, q_len, PIECE_TOKENS):
@@ -65,7 +80,7 @@ def attention_step(
         # Exact (a token's output depends only on earlier tokens); memory stays O(piece x (S + W + piece)).
         piece, whole = slice(start, start + PIECE_TOKENS), q_len <= PIECE_TOKENS
         plan, rotations = _planned(call, cache, module.layer_idx, spec, start, hidden_states.dtype)
-        call.pending = (module.layer_idx, plan, rotations, spec.rope)
+        call.pending = PendingUpdate(module.layer_idx, plan, rotations, spec.rope)
         try:
             out, weights = forward_with_hooks(
                 module,
@@ -116,7 +131,7 @@ def new_token_validity(
             f"{type(mask).__name__} of shape {tuple(getattr(mask, 'shape', ()))}."
         )
     diagonal = mask[:, 0].diagonal(dim1=-2, dim2=-1)
-    real = diagonal if diagonal.dtype == torch.bool else diagonal > torch.finfo(diagonal.dtype).min / 2
+    real = visible_entries(diagonal)
     if not bool(real.any()):
         raise ValueError(
             "The attention_mask marks every new token as padding. With a cache, pass a 2D attention_mask "

@@ -98,7 +98,7 @@ def test_local_layers_stream_as_defined(family, regime, options):
     )  # Mistral: every layer local
     for kind, layer in zip(types, cache.layers, strict=True):
         local = own if kind == "sliding_attention" else None
-        geometry = layer_geometry(SINKS, WINDOW, local)
+        geometry = layer_geometry(LayerGeometry(SINKS, WINDOW), local)
         assert layer.geometry == geometry
         assert layer.keys.shape[-2] <= geometry.capacity
         if local is not None and local <= WINDOW:  # the local layer keeps its own window, not the cache's
@@ -159,7 +159,7 @@ def test_beam_search_scores_its_own_beams_as_defined():
     ],
 )
 def test_layer_geometry(own, want):
-    assert layer_geometry(4, 1020, own) == want
+    assert layer_geometry(LayerGeometry(4, 1020), own) == want
 
 
 @pytest.mark.parametrize("regime", ["inside", "between"])

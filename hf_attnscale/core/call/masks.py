@@ -29,7 +29,7 @@ def visible_key_counts(
     if mask is not None and not isinstance(mask, torch.Tensor):
         mask = _dense_block_mask(mask, q_len, k_len)
     if mask is not None and mask.dim() == 4:
-        return _as_bool(mask).sum(-1, dtype=torch.float32)
+        return visible_entries(mask).sum(-1, dtype=torch.float32)
     lo, hi = _visible_range(q_len, k_len, mask, causal, sliding_window, bottom_right, device)
     if mask is None:
         return (hi - lo).float().view(1, 1, q_len)
@@ -52,14 +52,16 @@ def visible_keys(
     if mask is not None and not isinstance(mask, torch.Tensor):
         mask = _dense_block_mask(mask, q_len, k_len)
     if mask is not None and mask.dim() == 4:
-        return _as_bool(mask)[..., :k_len]
+        return visible_entries(mask)[..., :k_len]
     lo, hi = _visible_range(q_len, k_len, mask, causal, sliding_window, bottom_right, device)
     keys = torch.arange(k_len, device=lo.device)
     visible = ((keys >= lo[:, None]) & (keys < hi[:, None])).view(1, 1, q_len, k_len)
     return visible if mask is None else visible & mask.bool()[:, None, None, :]
 
 
-def _as_bool(mask: torch.Tensor) -> torch.Tensor:
+def visible_entries(mask: torch.Tensor) -> torch.Tensor:
+    """Which entries of a bool or additive mask are visible: an additive entry is masked at or below half its
+    dtype's minimum (transformers masks with the minimum; adding a finite score keeps it below half)."""
     return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
 
 
