@@ -22,6 +22,12 @@ Two formulations, both plain attention that PyTorch differentiates by itself:
 
 `combined_exit_logits` merges the patch's exit with a family's own sinks (``s_aux``): two exits whose values
 are zero are one exit of logit ``logaddexp(s₁, s₂)``.
+
+**One name.** In code this is *the exit*, and its per-head logit ``exit_logits``. Its other names, said here
+once: the options ``zero_kv`` (logit 0: softmax-off-by-one) and ``sink_logit`` (a fixed logit, or
+``"learnable"``) name it as users know it; the learnable logit is the parameter ``hfa.sink``, the name saved
+checkpoints hold; flash and flex take it as ``s_aux``, transformers' name for a row of sink logits. Elsewhere
+"sinks" are StreamingLLM's sink tokens (`hf_attnscale.streaming`) or a family's own exit (gpt-oss' ``sinks``).
 """
 
 from __future__ import annotations

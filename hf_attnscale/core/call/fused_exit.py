@@ -10,7 +10,7 @@ unwidened and returns ``lse``, the log-sum-exp of the real keys' scores; one mor
 
 Backward is the kernel's own, fed ``y`` for its output and ``w·dy`` for its gradient: the kernel's row term
 ``D = rowsum(dO·O)`` becomes ``w²·rowsum(dy·o)``, which is exactly ``D`` less the gradient that reaches the
-scores through ``lse``; the sink's gradient is ``−Σ rowsum(dy·y)·(1 − w)``.
+scores through ``lse``; the exit logit's gradient is ``−Σ rowsum(dy·y)·(1 − w)``.
 
 The kernel is private, so nothing is trusted unchecked: each combination it would serve (dtype, head dim, heads
 and key-value heads, mask kind, causal, one query or many, batch) is run once, at its first use, forward and
@@ -243,7 +243,7 @@ def _check(combination: Combination, backend_fn, module, scaling) -> str | None:
         return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     for name, a, b in zip(
-        ("output", "dq", "dk", "dv", "dsink"), (fused, *fused_grads), (public, *public_grads)
+        ("output", "dq", "dk", "dv", "dexit"), (fused, *fused_grads), (public, *public_grads)
     ):
         scale = b.float().abs().max().item() + 1e-6
         error = (a.float() - b.float()).abs().max().item() / scale
