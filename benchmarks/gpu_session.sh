@@ -76,7 +76,7 @@ run_stage() {
         for dev in cuda cpu; do
             for args in "" ",window=1020,sink_tokens=4"; do
                 name="lmeval-$dev${args:+-streamed}"
-                python3 -m hf_attnscale.integrations.lm_eval_harness --model hf-attnscale \
+                python3 -m hf_attnscale.integrations.lm_eval_launcher --model hf-attnscale \
                     --model_args "pretrained=builtin:tiny-llama-stdlib,dtype=float32$args" \
                     --tasks hfa_stdlib_heldout_1k,hfa_stdlib_heldout_4k --device $dev \
                     --output_path "$results/$name" 2>&1 | tee "$results/$name.log" || failed=1

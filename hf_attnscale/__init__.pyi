@@ -19,7 +19,7 @@ from .evaluation.perplexity import PerplexityResult as PerplexityResult, perplex
 from .evaluation.report import SweepResult as SweepResult
 from .evaluation.sweep import sweep as sweep
 from .evaluation.variants import Variant as Variant
-from .integrations.lm_eval_harness import HFAttnScaleLM as HFAttnScaleLM
+from .integrations.lm_eval_model import HFAttnScaleLM as HFAttnScaleLM
 from .integrations.peft_adapters import (
     adapter_patch_config as adapter_patch_config,
     load_adapter as load_adapter,

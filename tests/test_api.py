@@ -256,7 +256,7 @@ def test_every_patch_option_reaches_the_api_the_cli_and_lm_eval():
     assert set(examples) == set(OPTIONS), "a new patch option needs its row here"
     parser = argparse.ArgumentParser()
     add_patch_arguments(parser, "patch")
-    lm_eval = pytest.importorskip("hf_attnscale.integrations.lm_eval_harness")
+    lm_eval = pytest.importorskip("hf_attnscale.integrations.lm_eval_model")
     for name, (flags, text, value) in examples.items():
         from_flags = patch_options(parser.parse_args(flags))
         assert from_flags[name] == value, name

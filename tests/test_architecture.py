@@ -36,7 +36,6 @@ LAZY_ALLOWED = (
     "datasets",
     "torch.nn.attention.flex_attention",
     "transformers.models.auto",
-    "hf_attnscale.integrations.lm_eval_harness",
 )
 
 

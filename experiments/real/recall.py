@@ -57,7 +57,7 @@ def evaluate(task: str, model_args: dict, metadata: dict, limit: int | None) -> 
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    from hf_attnscale.integrations.lm_eval_harness import TASKS_DIR
+    from hf_attnscale.integrations.lm_eval_tasks_data import TASKS_DIR
 
     results = simple_evaluate(
         model="hf-attnscale",

@@ -21,7 +21,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run(argv: Sequence[str]) -> int:
     """Run lm-eval's CLI on ``argv`` (everything after ``lm-eval``, ``--help`` included)."""
     try:
-        from hf_attnscale.integrations.lm_eval_harness import main  # optional: needs lm-eval
+        from hf_attnscale.integrations.lm_eval_launcher import main  # optional: needs lm-eval
     except ImportError as err:
         print(
             f"hf-attnscale lm-eval: error: {err}. Install it with: pip install 'hf_attnscale[eval]'",

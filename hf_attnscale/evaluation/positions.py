@@ -2,7 +2,7 @@
 
 A bucket holds the tokens at positions ``[start, end)`` of a document (position 0: its first token). Buckets are
 given by their edges: ``(2048, 4096)`` makes ``0-2k``, ``2k-4k`` and ``4k+``. lm-eval's tasks report one
-``ppl_<label>`` metric per bucket (`hf_attnscale.integrations.lm_eval_harness`), ``hf-attnscale eval`` one
+``ppl_<label>`` metric per bucket (`hf_attnscale.integrations.lm_eval_tasks_data`), ``hf-attnscale eval`` one
 column per bucket.
 """
 

@@ -16,7 +16,7 @@ from transformers import RecurrentGemmaConfig
 import hf_attnscale as hfa
 from hf_attnscale.checkpoints.models import default_model_path
 from hf_attnscale.cli import main
-from hf_attnscale.integrations.lm_eval_harness import HFAttnScaleLM
+from hf_attnscale.integrations.lm_eval_model import HFAttnScaleLM
 
 KNOWN = "smollm2-135m, gemma3-270m, minilm-l6"
 NO_LENGTH = "no-length"

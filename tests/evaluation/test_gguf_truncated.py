@@ -48,7 +48,7 @@ def test_a_truncated_gguf_file_is_one_line_naming_it(smollm2_gguf, size, tmp_pat
     with pytest.raises(ValueError) as raised:
         load_model(str(cut), torch.device("cpu"), torch.float32, progress=False)
     assert str(raised.value) == message
-    lm_eval = pytest.importorskip("hf_attnscale.integrations.lm_eval_harness")
+    lm_eval = pytest.importorskip("hf_attnscale.integrations.lm_eval_model")
     with pytest.raises(ValueError) as raised:
         lm_eval.HFAttnScaleLM(pretrained=str(cut))
     assert str(raised.value) == message

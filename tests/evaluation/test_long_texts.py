@@ -52,7 +52,7 @@ def test_without_apt_get_the_bible_is_one_line_saying_so(tmp_path, monkeypatch):
 
 def test_the_long_tasks_are_indexed_and_the_stdlib_one_builds():
     lm_eval = pytest.importorskip("lm_eval.tasks")
-    from hf_attnscale.integrations.lm_eval_harness import TASKS_DIR
+    from hf_attnscale.integrations.lm_eval_tasks_data import TASKS_DIR
 
     manager = lm_eval.TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
     assert {"hfa_kjv_books", "hfa_stdlib_32k"} <= set(manager.all_tasks)

@@ -43,7 +43,7 @@ def test_bad_lengths_and_depths_are_one_line(tokenizer):
 
 def test_the_tasks_build_and_score_by_depth():
     lm_eval = pytest.importorskip("lm_eval.tasks")
-    from hf_attnscale.integrations.lm_eval_harness import (
+    from hf_attnscale.integrations.lm_eval_tasks_data import (
         PASSKEY_DEPTHS,
         TASKS_DIR,
         mean_present,

@@ -287,7 +287,7 @@ def gguf_lm(checkpoints):
     which loads it with `hfa.from_pretrained(..., gguf_file=...)`; None without lm-eval."""
     if importlib.util.find_spec("lm_eval") is None:
         return None
-    from hf_attnscale.integrations.lm_eval_harness import HFAttnScaleLM
+    from hf_attnscale.integrations.lm_eval_model import HFAttnScaleLM
 
     return HFAttnScaleLM(
         pretrained=str(fetch_gguf("smollm2-135m")), dtype="float32", device="cpu", batch_size=1
@@ -381,7 +381,7 @@ def words(text: str) -> int:
 @pytest.fixture(scope="module")
 def documents_task(tmp_path_factory):
     """The documented local-jsonl task template, pointed at two short held-out files."""
-    from hf_attnscale.integrations.lm_eval_harness import TASKS_DIR
+    from hf_attnscale.integrations.lm_eval_tasks_data import TASKS_DIR
 
     folder = tmp_path_factory.mktemp("tasks")
     texts = [doc.text[:300] for doc in builtin_documents("heldout")[:2]]
@@ -406,7 +406,7 @@ def evaluate(lm, folder: Path) -> float:
 
 def test_lm_eval_model_type_streams_a_real_model_by_name(checkpoints, documents_task):
     pytest.importorskip("lm_eval")
-    from hf_attnscale.integrations.lm_eval_harness import HFAttnScaleLM
+    from hf_attnscale.integrations.lm_eval_model import HFAttnScaleLM
 
     folder, texts = documents_task
     lm = HFAttnScaleLM(
@@ -525,7 +525,8 @@ def test_lm_eval_console_script_reports_positions_and_passkeys_on_a_real_model(
     """``hf-attnscale lm-eval`` as a user runs it, on SmolLM2 by name: perplexity by position over a long
     built-in document (equal to hfa.perplexity's per-token NLL over the same positions) and a passkey task."""
     pytest.importorskip("lm_eval")
-    from hf_attnscale.integrations.lm_eval_harness import HFAttnScaleLM, long_dataset
+    from hf_attnscale.integrations.lm_eval_model import HFAttnScaleLM
+    from hf_attnscale.integrations.lm_eval_tasks_data import long_dataset
 
     out = tmp_path / "out"
     model_args = f"pretrained=smollm2-135m,sink_tokens=4,window=1020,dtype=float32,position_buckets={';'.join(map(str, edges))}"

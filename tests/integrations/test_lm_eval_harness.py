@@ -24,7 +24,8 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 import hf_attnscale as hfa  # noqa: E402
 from hf_attnscale.checkpoints.models import default_model_path  # noqa: E402
 from hf_attnscale.evaluation.corpus import builtin_documents, long_documents  # noqa: E402
-from hf_attnscale.integrations.lm_eval_harness import TASKS_DIR, HFAttnScaleLM  # noqa: E402
+from hf_attnscale.integrations.lm_eval_model import HFAttnScaleLM  # noqa: E402
+from hf_attnscale.integrations.lm_eval_tasks_data import TASKS_DIR  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 EVAL_CONFIGS = TASKS_DIR
@@ -276,7 +277,7 @@ def test_launcher_runs_lm_eval_cli_end_to_end(tiny, task_dir, streamed, tmp_path
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "hf_attnscale.integrations.lm_eval_harness", *args],
+        [sys.executable, "-m", "hf_attnscale.integrations.lm_eval_launcher", *args],
         capture_output=True,
         text=True,
         env=env,
@@ -356,7 +357,7 @@ def _lm_eval_samples(launcher: list[str], model_args: str, out: Path) -> tuple[d
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [*launcher, "-m", "hf_attnscale.integrations.lm_eval_harness", *args],
+        [*launcher, "-m", "hf_attnscale.integrations.lm_eval_launcher", *args],
         capture_output=True,
         text=True,
         env=env,

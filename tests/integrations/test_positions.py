@@ -19,14 +19,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 import hf_attnscale as hfa  # noqa: E402
 from hf_attnscale.checkpoints.models import default_model_path  # noqa: E402
 from hf_attnscale.evaluation.corpus import Document  # noqa: E402
-from hf_attnscale.integrations.lm_eval_harness import (  # noqa: E402
-    TASKS_DIR,
+from hf_attnscale.integrations.lm_eval_model import (  # noqa: E402
     DocumentLogLikelihood,
     HFAttnScaleLM,
     ModelArgsError,
-    builtin_dataset,
-    long_dataset,
 )
+from hf_attnscale.integrations.lm_eval_tasks_data import TASKS_DIR, builtin_dataset, long_dataset  # noqa: E402
 
 TASK = "hfa_stdlib_heldout"
 DOCUMENTS = 3
@@ -170,10 +168,10 @@ def test_bad_buckets_are_one_line_before_the_model_loads(value):
 
 
 def test_first_tokens_cuts_long_documents_in_the_evaluated_models_tokens(monkeypatch):
-    from hf_attnscale.integrations import lm_eval_harness
+    from hf_attnscale.integrations import lm_eval_tasks_data
 
     books = [Document("Genesis", "In the beginning " * 400), Document("Exodus", "Now these are " * 300)]
-    monkeypatch.setattr(lm_eval_harness, "kjv_books", lambda: books)
+    monkeypatch.setattr(lm_eval_tasks_data, "kjv_books", lambda: books)
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     cut = long_dataset("kjv", first_tokens=100, pretrained=str(default_model_path()))["test"]
     assert cut["name"] == ["Genesis", "Exodus"]

@@ -6,7 +6,7 @@ lm-eval imports this file by path (from the YAML's folder). The documents are bu
 Python's standard library sources, so the tasks need no data file, no absolute path and no network.
 """
 
-from hf_attnscale.integrations.lm_eval_harness import (
+from hf_attnscale.integrations.lm_eval_tasks_data import (
     PositionPerplexityTask,
     builtin_dataset,
     long_dataset,
