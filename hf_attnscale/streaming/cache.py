@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from hf_attnscale.core.call.rope import CosSin, RopeFn, rotate
 from hf_attnscale.core.options.validation import check_int
 
 from .plan import LayerGeometry, Rotations, SlotRecord, StepPlan
-from .rope import CosSin, RopeFn, rotate_keys, rotation_basis
+from .rope import rotation_basis
 from .spec import UNPATCHED_MESSAGE, StreamSpec
 from .step import Call, attention_step
 
@@ -82,7 +83,7 @@ class SinkCacheLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         sinks, keys, values, sink_keys = self.geometry.sinks, self.keys, self.values, self.sink_keys
         if rotations.rebase is not None:  # the base moved: rotate the stored window keys back by the move
-            window = rotate_keys(rope, keys[:, :, sinks:], rotations.rebase)
+            window = rotate(rope, keys[:, :, sinks:], rotations.rebase)
             keys = torch.cat([keys[:, :, :sinks], window], dim=2)
         if plan.new_sink_index is not None:
             sink_keys, values = _store_sinks(plan.new_sink_index, key_states, value_states, sink_keys, values)
@@ -96,7 +97,7 @@ class SinkCacheLayer(CacheLayerMixin):
             if sinks:
                 keys[:, :, :sinks] = self._rotated_sinks(rope, sink_keys, rotations.sinks)
         else:
-            sink_slots = rotate_keys(rope, sink_keys, rotations.sinks)
+            sink_slots = rotate(rope, sink_keys, rotations.sinks)
             keys = torch.cat([sink_slots, keys[:, :, sinks:], key_states], dim=2)
             values = torch.cat([values, value_states], dim=2)
         read = _doubled(keys, values, sink_keys) if plan.doubled else (keys, values)
@@ -111,7 +112,7 @@ class SinkCacheLayer(CacheLayerMixin):
         if self._basis is None:
             self._basis = rotation_basis(rope, sink_keys, cos_sin) or ()
         if not self._basis:
-            return rotate_keys(rope, sink_keys, cos_sin)
+            return rotate(rope, sink_keys, cos_sin)
         (a, b), (cos, sin) = self._basis, cos_sin
         return a * cos.unsqueeze(1) + b * sin.unsqueeze(1)
 

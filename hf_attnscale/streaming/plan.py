@@ -31,7 +31,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .rope import CosSin, RopeTable
+from hf_attnscale.core.call.rope import CosSin
+
+from .rope import RopeTable
 
 
 @dataclass(frozen=True, eq=False)

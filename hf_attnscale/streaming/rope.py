@@ -7,18 +7,13 @@ from the rotary module's own frequencies once shown to give its output: any posi
 
 from __future__ import annotations
 
-import inspect
 import threading
-from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
 
-CosSin = tuple[torch.Tensor, torch.Tensor]
-"""RoPE's cos and sin, ``(B, n, rotary_dim)`` each."""
-RopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-"""A family's ``apply_rotary_pos_emb(q, k, cos, sin)``."""
+from hf_attnscale.core.call.rope import CosSin, RopeFn, RotaryFrequencies, rotary_output, rotate
+
 _BUILDING = threading.Lock()
 
 
@@ -34,13 +29,6 @@ def rope_rescales_with_length(model: nn.Module) -> bool:
     """Whether a rotary embedding of ``model`` changes its frequencies with the length read: reading it in
     chunks through a cache then differs from reading it in one call."""
     return any(length_dependent(m) for m in model.modules() if hasattr(m, "rope_type"))
-
-
-def rotary_output(
-    rotary: nn.Module, layer_type: str | None, like: torch.Tensor, positions: torch.Tensor
-) -> Any:
-    """What ``rotary`` (for ``layer_type``) returns at ``positions``, in ``like``'s dtype: ``(cos, sin)``."""
-    return rotary(like, positions) if layer_type is None else rotary(like, positions, layer_type)
 
 
 class RopeTable:
@@ -62,12 +50,12 @@ class RopeTable:
                 return
             reference = rotary_output(rotary, layer_type, like, torch.arange(length, device=device)[None])
         self.width = reference[0].shape[-1]
-        prefix = f"{layer_type}_" if layer_type else ""
-        inv_freq = getattr(rotary, f"{prefix}inv_freq", None)
-        scaling = getattr(rotary, f"{prefix}attention_scaling", getattr(rotary, "attention_scaling", None))
-        self.inv_freq = None if inv_freq is None else inv_freq.detach().to(device, torch.float64).clone()
-        self.scaling = None if scaling is None else float(scaling)
-        self.exact = self.inv_freq is not None and self.scaling is not None
+        frequencies = RotaryFrequencies.of(rotary, layer_type)
+        self.inv_freq = (
+            None if frequencies is None else frequencies.inv_freq.to(device, torch.float64).clone()
+        )
+        self.scaling = None if frequencies is None else frequencies.scaling
+        self.exact = frequencies is not None
         if self.exact:
             check = min(length, 16)  # positions checked against the module's own
             computed = self._computed(torch.arange(check, device=device)[None])
@@ -100,45 +88,19 @@ class RopeTable:
         return cos / self.scaling, sin / self.scaling
 
 
-def family_rotation(rope: Callable[..., Any], width: int) -> RopeFn:
-    """The family's RoPE as ``(q, k, cos, sin)`` over the first ``width`` dims of each head, the rest passed
-    through: Gemma-3n/4 rotate one tensor at a time, ``(x, cos, sin)``; Phi, Persimmon, StableLM and GPT-NeoX
-    slice their partial rotary part off before they call theirs."""
-    one_tensor = next(iter(inspect.signature(rope).parameters)) == "x"
-
-    def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        if q.shape[-1] != width or k.shape[-1] != width:
-            q_rot, k_rot = apply(q[..., :width], k[..., :width], cos, sin)
-            return torch.cat([q_rot, q[..., width:]], dim=-1), torch.cat([k_rot, k[..., width:]], dim=-1)
-        return (rope(q, cos, sin), rope(k, cos, sin)) if one_tensor else rope(q, k, cos, sin)
-
-    return apply
-
-
-def no_rotation(q, k, cos, sin, *args, **kwargs):
-    """For layers that use no RoPE (Cohere-2's global layers, SmolLM3's NoPE layers): positions do nothing."""
-    return q, k
-
-
-def rotate_keys(rope: RopeFn, x: torch.Tensor, cos_sin: CosSin) -> torch.Tensor:
-    """Keys ``(B, H, n, D)`` rotated by the family's own function (its partial rotary, its layout)."""
-    # The family's function rotates a (q, k) pair; a one-head stand-in for q keeps the wasted work to 1/H.
-    return rope(x[:, :1], x, *cos_sin)[1]
-
-
 def rotation_basis(
     rope: RopeFn, keys: torch.Tensor, cos_sin: CosSin
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(a, b)`` such that ``rotate_keys(rope, keys, (cos, sin))`` is ``a * cos + b * sin`` (cos, sin broadcast
+    """``(a, b)`` such that ``rotate(rope, keys, (cos, sin))`` is ``a * cos + b * sin`` (cos, sin broadcast
     over heads): RoPE's form ``k·cos + rot(k)·sin``, found once so that later rotations of the same keys cost
     two products and a sum. None unless the family's own rotation gives exactly that, checked bitwise at cos/sin
     of ``cos_sin``'s shape that differ in every channel (at the identity, any function would pass)."""
     cos, sin = cos_sin
     if cos.dim() != 3 or cos.shape[-1] != keys.shape[-1]:
         return None  # partial rotary, or an unusual layout: rotate the usual way
-    a = rotate_keys(rope, keys, (torch.ones_like(cos), torch.zeros_like(sin)))
-    b = rotate_keys(rope, keys, (torch.zeros_like(cos), torch.ones_like(sin)))
+    a = rotate(rope, keys, (torch.ones_like(cos), torch.zeros_like(sin)))
+    b = rotate(rope, keys, (torch.zeros_like(cos), torch.ones_like(sin)))
     angle = torch.linspace(0.3, 1.1, cos.shape[-1], device=cos.device, dtype=torch.float64)
     cos, sin = angle.cos().to(cos.dtype).expand_as(cos), angle.sin().to(sin.dtype).expand_as(sin)
-    got, want = a * cos.unsqueeze(1) + b * sin.unsqueeze(1), rotate_keys(rope, keys, (cos, sin))
+    got, want = a * cos.unsqueeze(1) + b * sin.unsqueeze(1), rotate(rope, keys, (cos, sin))
     return (a, b) if got.shape == want.shape and torch.equal(got, want) else None

@@ -6,7 +6,6 @@ module's steps need (`LayerSpec`). `check_streaming_model` asks the same of a wh
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +15,7 @@ from transformers import DynamicCache
 
 from hf_attnscale.core.call.backends import check_backend
 from hf_attnscale.core.call.gate import gate_input
+from hf_attnscale.core.call.rope import ROPE_FUNCTION, RopeFn, family_rope, family_rotation, no_rotation
 from hf_attnscale.core.call.state import state_of
 from hf_attnscale.core.install.families import attention_modules, takes_position_embeddings
 from hf_attnscale.core.install.installed import get_config
@@ -23,10 +23,9 @@ from hf_attnscale.core.install.routing import cache_argument, rotary_of
 from hf_attnscale.core.install.wrappers import unwrap
 
 from .plan import LayerGeometry, layer_geometry
-from .rope import RopeFn, RopeTable, family_rotation, length_dependent, no_rotation
+from .rope import RopeTable, length_dependent
 
 STREAMING_BACKENDS = ("eager", "sdpa")
-ROPE_FUNCTION = "apply_rotary_pos_emb"  # the name under which an attention forward calls its family's RoPE
 UNPATCHED_MESSAGE = (
     "This attention module cannot stream with a SinkCache, which needs a RoPE decoder patched with hfa.patch(model) "
     "(with no options it changes nothing else) on eager or sdpa attention; not encoders or models without RoPE."
@@ -95,21 +94,13 @@ def _check_module(module: nn.Module) -> tuple[nn.Module, str | None, Any]:
             f"SinkCache cannot find the one rotary embedding that feeds {type(module).__name__} (none, or several "
             "to choose between), so it cannot place keys inside the cache."
         )
-    family_rope = _family_rope(module)
-    if family_rope is None:
+    rotation = family_rope(module)
+    if rotation is None:
         raise ValueError(
             f"SinkCache cannot stream {type(module).__name__}: its forward does not rotate by its family's "
             f"{ROPE_FUNCTION}(q, k, cos, sin), with which pos-shift re-places keys."
         )
-    return (*rotary, family_rope)
-
-
-def _family_rope(module: nn.Module) -> Any:
-    """The rotation the module's forward calls, where Python finds it: in the forward's own globals."""
-    forward = inspect.unwrap(type(module).forward)
-    if ROPE_FUNCTION not in getattr(getattr(forward, "__code__", None), "co_names", ()):
-        return None
-    return forward.__globals__.get(ROPE_FUNCTION)
+    return (*rotary, rotation)
 
 
 @dataclass(frozen=True)
@@ -140,11 +131,11 @@ class StreamSpec:
         """The `LayerSpec` of ``module``, found at its first call (whose ``hidden_states`` and ``kwargs`` these are);
         raises ValueError, saying why, if the module cannot stream."""
         if module.layer_idx not in self.layers:
-            rotary, layer_type, family_rope = _check_module(module)
+            rotary, layer_type, rotation = _check_module(module)
             if layer_type not in self.tables:
                 self.tables[layer_type] = self._table(module, rotary, layer_type, hidden_states)
             table = self.tables[layer_type]
-            rope = family_rotation(family_rope, table.width)
+            rope = family_rotation(rotation, table.width)
             if not _applies_rope(module, hidden_states, table.width, kwargs):
                 rope = no_rotation
             # Qwen2/3, Gemma-2/3 and Cohere-2 keep a sliding window per layer (None on global layers); Mistral

@@ -20,10 +20,10 @@ from transformers.cache_utils import Cache
 
 from hf_attnscale.core.call.hooks import CallHooks
 from hf_attnscale.core.call.masks import visible_entries
+from hf_attnscale.core.call.rope import CosSin, RopeFn
 from hf_attnscale.core.install.routing import cache_argument, forward_with_hooks
 
 from .plan import Rotations, SlotRecord, StepPlan, build_plan
-from .rope import CosSin, RopeFn
 from .spec import LayerSpec, token_slice
 
 PIECE_TOKENS = 1024

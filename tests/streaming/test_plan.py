@@ -9,8 +9,9 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from hf_attnscale.core.call.rope import rotate as rotate_keys
 from hf_attnscale.streaming.plan import LayerGeometry, SlotRecord, build_plan
-from hf_attnscale.streaming.rope import RopeTable, rotate_keys, rotation_basis
+from hf_attnscale.streaming.rope import RopeTable, rotation_basis
 
 
 def _same(a, b) -> bool:

@@ -1,0 +1,108 @@
+"""RoPE as the patch applies it itself: a family's rotation over its rotary dims, and cos/sin at any position
+from a rotary module's own frequencies (ReRoPE here; `SinkCache` streaming builds its tables on these).
+
+A rotary module computes ``cos, sin = (cos(p·θ), sin(p·θ)) · s`` from its ``inv_freq`` θ (scaled as its rope
+type says: YaRN, llama3, linear, dynamic NTK...) and its ``attention_scaling`` s, in the halves layout
+``[θ, θ]``. `RotaryFrequencies` reads both, and gives cos/sin at any positions, in float64 angles, so that
+positions far past the trained length keep full precision.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+CosSin = tuple[torch.Tensor, torch.Tensor]
+"""RoPE's cos and sin, ``(B, n, rotary_dim)`` each."""
+RopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+"""A family's ``apply_rotary_pos_emb(q, k, cos, sin)``."""
+ROPE_FUNCTION = "apply_rotary_pos_emb"
+"""The name under which an attention forward calls its family's RoPE."""
+
+
+def family_rope(module: nn.Module) -> Callable[..., Any] | None:
+    """The rotation ``module``'s forward calls, where Python finds it: ``apply_rotary_pos_emb`` in the forward's
+    own globals (None: it rotates otherwise, or not at all)."""
+    forward = inspect.unwrap(type(module).forward)
+    if ROPE_FUNCTION not in getattr(getattr(forward, "__code__", None), "co_names", ()):
+        return None
+    return forward.__globals__.get(ROPE_FUNCTION)
+
+
+def rotary_output(
+    rotary: nn.Module, layer_type: str | None, like: torch.Tensor, positions: torch.Tensor
+) -> Any:
+    """What ``rotary`` (for ``layer_type``) returns at ``positions``, in ``like``'s dtype: ``(cos, sin)``."""
+    return rotary(like, positions) if layer_type is None else rotary(like, positions, layer_type)
+
+
+def family_rotation(rope: Callable[..., Any], width: int) -> RopeFn:
+    """The family's RoPE as ``(q, k, cos, sin)`` over the first ``width`` dims of each head, the rest passed
+    through: Gemma-3n/4 rotate one tensor at a time, ``(x, cos, sin)``; Phi, Persimmon, StableLM and GPT-NeoX
+    slice their partial rotary part off before they call theirs."""
+    one_tensor = next(iter(inspect.signature(rope).parameters)) == "x"
+
+    def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        if q.shape[-1] != width or k.shape[-1] != width:
+            q_rot, k_rot = apply(q[..., :width], k[..., :width], cos, sin)
+            return torch.cat([q_rot, q[..., width:]], dim=-1), torch.cat([k_rot, k[..., width:]], dim=-1)
+        return (rope(q, cos, sin), rope(k, cos, sin)) if one_tensor else rope(q, k, cos, sin)
+
+    return apply
+
+
+def no_rotation(q, k, cos, sin, *args, **kwargs):
+    """For layers that use no RoPE (Cohere-2's global layers, SmolLM3's NoPE layers): positions do nothing."""
+    return q, k
+
+
+def rotate(rope: RopeFn, x: torch.Tensor, cos_sin: CosSin) -> torch.Tensor:
+    """``x`` ``(B, H, n, D)`` rotated by the family's own function (its partial rotary, its layout)."""
+    # The family's function rotates a (q, k) pair; a one-head stand-in for q keeps the wasted work to 1/H.
+    return rope(x[:, :1], x, *cos_sin)[1]
+
+
+@dataclass(frozen=True)
+class RotaryFrequencies:
+    """A rotary module's frequencies as they are now: ``inv_freq`` ``(rotary_dim / 2,)`` and the attention
+    scaling ``scaling`` (YaRN's and LongRoPE's factor on cos/sin; 1 for most)."""
+
+    inv_freq: torch.Tensor
+    scaling: float
+
+    @classmethod
+    def of(cls, rotary: nn.Module, layer_type: str | None) -> RotaryFrequencies | None:
+        """``rotary``'s (for ``layer_type``: Gemma-3's local and global layers have their own), read now: a
+        dynamic rope type changes them with the length of each call. None where it keeps no ``inv_freq``."""
+        prefix = f"{layer_type}_" if layer_type else ""
+        inv_freq = getattr(rotary, f"{prefix}inv_freq", None)
+        scaling = getattr(rotary, f"{prefix}attention_scaling", getattr(rotary, "attention_scaling", None))
+        if not isinstance(inv_freq, torch.Tensor) or scaling is None:
+            return None
+        return cls(inv_freq.detach(), float(scaling))
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, slower: float = 1.0) -> CosSin:
+        """cos, sin at ``positions`` ``(B, n)`` (any reals), ``(B, n, rotary_dim)``, angles in float64; the
+        frequencies divided by ``slower`` (leaky ReRoPE's second RoPE)."""
+        inv_freq = self.inv_freq.to(positions.device, torch.float64) / slower
+        angles = positions.to(torch.float64)[..., None] * inv_freq
+        emb = torch.cat([angles, angles], dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+    def matches(self, rotary: nn.Module, layer_type: str | None, like: torch.Tensor, count: int = 16) -> bool:
+        """Whether these frequencies give ``rotary``'s own cos/sin at positions ``0..count-1`` (the usual
+        halves layout, real cos/sin): else the module computes RoPE some other way."""
+        positions = torch.arange(count, device=like.device)[None]
+        own = rotary_output(rotary, layer_type, like, positions)
+        if not (isinstance(own, tuple) and len(own) == 2):
+            return False
+        computed = self.cos_sin(positions, like.dtype)
+        return all(
+            got.shape == want.shape and torch.allclose(got.float(), want.float(), atol=1e-5)
+            for got, want in zip(computed, own)
+        )
