@@ -11,14 +11,12 @@ lets an attention sink form on the first token; ``--zero-kv`` / ``--sink-logit``
 from __future__ import annotations
 
 import argparse
-import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import tokenizers
 import torch
-import torch.nn.functional as F
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -27,13 +25,11 @@ from hf_attnscale.evaluation.corpus import Document, builtin_documents, tokenize
 from hf_attnscale.evaluation.perplexity import windowed_perplexity
 from hf_attnscale.evaluation.sweep import whole_windows
 from hf_attnscale.training.loop import (
-    TrainRun,
+    Trainer,
     WindowSampler,
     add_running_arguments,
     add_training_arguments,
-    patch_for_training,
-    save_run,
-    start_session,
+    train,
 )
 
 MODULE = "hf_attnscale.training.lm"
@@ -113,12 +109,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    start_session(args)
-    started = time.perf_counter()
-
+def build(args: argparse.Namespace) -> Trainer:
+    """The causal LM's own parts: its tokenizer (trained, or ``--tokenizer``), the Llama, next-token batches
+    (``--bos``: each window opening with BOS), and its held-out perplexities."""
     train_docs, heldout_docs = builtin_documents("train"), builtin_documents("heldout")
     if args.tokenizer is not None:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
@@ -130,47 +123,42 @@ def main(argv: Sequence[str] | None = None) -> None:
     tqdm.write(f"{len(train_docs)} train docs, {corpus_tokens} tokens")
 
     model = build_model(args, tokenizer)
-    patch_for_training(model, args)
     # One extra token per window so that every one of the `context` positions gets a target.
     bos_id = tokenizer.bos_token_id if args.bos else None
     sampler = WindowSampler(train_tokens, args.context + 1, args.seed, bos_id=bos_id)
-    run = TrainRun.from_args(args, model, generators={"sampler": sampler.generator})
 
-    def loss_fn() -> torch.Tensor:
-        batch = sampler.sample(args.batch_size)
-        logits = model(input_ids=batch[:, :-1]).logits
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        windows = sampler.sample(args.batch_size)
+        return windows[:, :-1], windows[:, 1:]
 
-    def snapshot(path: Path) -> None:
-        model.save_pretrained(path)
+    def measure() -> dict[str, Any]:
+        heldout_ppl = windowed_perplexity(model, heldout_tokens, args.context, bos_id)
+        tqdm.write(f"held-out perplexity at {args.context}: {heldout_ppl:.3f}")
+        long_docs = whole_windows(heldout_tokens, max(args.eval_lengths)) if args.eval_lengths else []
+        length_ppl = {str(n): windowed_perplexity(model, long_docs, n, bos_id) for n in args.eval_lengths}
+        for length, ppl in length_ppl.items():
+            tqdm.write(f"long held-out docs, window {length}: perplexity {ppl:.3f}")
+        return {
+            "train_corpus_tokens": corpus_tokens,
+            f"heldout_ppl_{args.context}": heldout_ppl,
+            "heldout_documents": len(heldout_docs),
+            "long_heldout_ppl": length_ppl,
+            "long_heldout_documents": len(long_docs),
+            "long_heldout_tokens": sum(len(d) for d in long_docs),
+        }
 
-    finished = run.run(
-        loss_fn,
-        save_every=args.save_every,
+    return Trainer(
+        model,
+        tokenizer,
+        batch,
+        generators={"sampler": sampler.generator},
+        measure=measure,
         snapshot_every=args.snapshot_every,
-        on_snapshot=snapshot,
-        stop_after=args.stop_after,
     )
-    if not finished:
-        return
 
-    heldout_ppl = windowed_perplexity(model, heldout_tokens, args.context, bos_id)
-    tqdm.write(f"held-out perplexity at {args.context}: {heldout_ppl:.3f}")
-    long_docs = whole_windows(heldout_tokens, max(args.eval_lengths)) if args.eval_lengths else []
-    length_ppl = {str(n): windowed_perplexity(model, long_docs, n, bos_id) for n in args.eval_lengths}
-    for length, ppl in length_ppl.items():
-        tqdm.write(f"long held-out docs, window {length}: perplexity {ppl:.3f}")
 
-    measured = {
-        "train_corpus_tokens": corpus_tokens,
-        f"heldout_ppl_{args.context}": heldout_ppl,
-        "heldout_documents": len(heldout_docs),
-        "long_heldout_ppl": length_ppl,
-        "long_heldout_documents": len(long_docs),
-        "long_heldout_tokens": sum(len(d) for d in long_docs),
-    }
-    command = ["python", "-m", MODULE, *argv]
-    save_run(run, tokenizer, command, args.batch_size * args.context, measured, started)
+def main(argv: Sequence[str] | None = None) -> None:
+    train(MODULE, parse_args, build, argv)
 
 
 if __name__ == "__main__":

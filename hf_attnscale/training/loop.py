@@ -1,5 +1,6 @@
-"""What the causal-LM and MLM trainers share: their common flags, window sampling, the optimizer, the patch
-the model trains under, resumable checkpoints and what a finished run saves and records."""
+"""What the causal-LM and MLM trainers share: the command's skeleton (`train`: each trainer gives only its own
+parts, a `Trainer`), their common flags, window sampling, the optimizer, the patch the model trains under, the
+loss, resumable checkpoints and what a finished run saves and records."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 import json
 import os
 import shlex
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
@@ -320,3 +323,60 @@ def save_run(
     }
     (run.out / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
     tqdm.write(f"saved to {run.out}")
+
+
+@dataclass
+class Trainer:
+    """What makes a trainer its own; `train` does the rest.
+
+    Args:
+        model: the model the flags describe, freshly initialised and unpatched (`train` patches it).
+        tokenizer: saved with the model.
+        batch: one step's ``(input_ids, targets)``, targets -100 where no token is predicted; the loss is the
+            cross-entropy of the model's logits at the others.
+        generators: the random generators ``batch`` draws from, whose state a resumed run restores.
+        measure: the finished model's numbers (the trainer's own evaluation), recorded with the run.
+        snapshot_every: also save the model every this many steps, in ``snapshots/`` (None: never).
+    """
+
+    model: nn.Module
+    tokenizer: Any
+    batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    generators: dict[str, torch.Generator]
+    measure: Callable[[], dict[str, Any]]
+    snapshot_every: int | None = None
+
+
+def train(
+    module: str,
+    parse_args: Callable[[Sequence[str]], argparse.Namespace],
+    build: Callable[[argparse.Namespace], Trainer],
+    argv: Sequence[str] | None = None,
+) -> None:
+    """A trainer's command, ``python -m module`` with ``argv`` (default: ``sys.argv[1:]``): start the session,
+    ``build`` the trainer's own parts, patch the model as the flags ask, and train it, resumably (`TrainRun`);
+    once the run is complete, measure the model and save it with what the run records (`save_run`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    start_session(args)
+    started = time.perf_counter()
+    trainer = build(args)
+    model = trainer.model
+    patch_for_training(model, args)
+    run = TrainRun.from_args(args, model, generators=trainer.generators)
+
+    def loss_fn() -> torch.Tensor:
+        inputs, targets = trainer.batch()
+        logits = model(input_ids=inputs).logits
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+
+    finished = run.run(
+        loss_fn,
+        save_every=args.save_every,
+        snapshot_every=trainer.snapshot_every,
+        on_snapshot=model.save_pretrained,
+        stop_after=args.stop_after,
+    )
+    if finished:
+        command = ["python", "-m", module, *argv]
+        save_run(run, trainer.tokenizer, command, args.batch_size * args.context, trainer.measure(), started)

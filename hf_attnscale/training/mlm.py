@@ -11,13 +11,11 @@ Windows of ``--context`` tokens (64 in the article), 15% of the tokens masked (8
 from __future__ import annotations
 
 import argparse
-import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, RoFormerConfig, RoFormerForMaskedLM
 
@@ -25,13 +23,11 @@ from hf_attnscale.checkpoints.models import default_model_path
 from hf_attnscale.evaluation.corpus import builtin_documents, tokenize_documents
 from hf_attnscale.evaluation.mlm import masked_lm_accuracy
 from hf_attnscale.training.loop import (
-    TrainRun,
+    Trainer,
     WindowSampler,
     add_running_arguments,
     add_training_arguments,
-    patch_for_training,
-    save_run,
-    start_session,
+    train,
 )
 
 MODULE = "hf_attnscale.training.mlm"
@@ -77,12 +73,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    start_session(args)
-    started = time.perf_counter()
-
+def build(args: argparse.Namespace) -> Trainer:
+    """The masked LM's own parts: the tokenizer (``--tokenizer``, else the shipped model's, with a mask token),
+    the RoFormer, BERT-masked batches, and its MLM accuracy at ``--eval-lengths``."""
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or default_model_path(), local_files_only=True)
     if tokenizer.mask_token is None:
         tokenizer.add_special_tokens({"mask_token": MASK})
@@ -102,35 +95,36 @@ def main(argv: Sequence[str] | None = None) -> None:
         pad_token_id=tokenizer.pad_token_id,
     )
     model = RoFormerForMaskedLM(config)
-    patch_for_training(model, args)
-
     sampler = WindowSampler(train_tokens, args.context, args.seed)
     masking = torch.Generator().manual_seed(args.seed + 1)
     special = torch.tensor(tokenizer.all_special_ids)
-    run = TrainRun.from_args(args, model, generators={"sampler": sampler.generator, "masking": masking})
 
-    def loss_fn() -> torch.Tensor:
-        inputs, labels = mask_tokens(
-            sampler.sample(args.batch_size), tokenizer.mask_token_id, len(tokenizer), special, masking
-        )
-        logits = model(input_ids=inputs).logits
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100)
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        windows = sampler.sample(args.batch_size)
+        return mask_tokens(windows, tokenizer.mask_token_id, len(tokenizer), special, masking)
 
-    finished = run.run(
-        loss_fn, save_every=args.save_every, snapshot_every=None, on_snapshot=None, stop_after=args.stop_after
+    def measure() -> dict[str, Any]:
+        accuracy = masked_lm_accuracy(model, heldout_tokens, args.eval_lengths, tokenizer.mask_token_id)
+        for result in accuracy:
+            tqdm.write(
+                f"MLM accuracy at {result.length}: {100 * result.accuracy:.2f}% ({result.tokens} tokens)"
+            )
+        return {
+            "mlm_accuracy": {str(r.length): r.accuracy for r in accuracy},
+            "mlm_masked_tokens": {str(r.length): r.tokens for r in accuracy},
+        }
+
+    return Trainer(
+        model,
+        tokenizer,
+        batch,
+        generators={"sampler": sampler.generator, "masking": masking},
+        measure=measure,
     )
-    if not finished:
-        return
 
-    accuracy = masked_lm_accuracy(model, heldout_tokens, args.eval_lengths, tokenizer.mask_token_id)
-    for result in accuracy:
-        tqdm.write(f"MLM accuracy at {result.length}: {100 * result.accuracy:.2f}% ({result.tokens} tokens)")
-    measured = {
-        "mlm_accuracy": {str(r.length): r.accuracy for r in accuracy},
-        "mlm_masked_tokens": {str(r.length): r.tokens for r in accuracy},
-    }
-    command = ["python", "-m", MODULE, *argv]
-    save_run(run, tokenizer, command, args.batch_size * args.context, measured, started)
+
+def main(argv: Sequence[str] | None = None) -> None:
+    train(MODULE, parse_args, build, argv)
 
 
 if __name__ == "__main__":
