@@ -35,7 +35,31 @@ TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
 """The package's lm-eval task configs (the built-in corpus at several lengths, templates, Hub corpora)."""
 
 
-class PositionPerplexityTask(ConfigurableTask):
+class BuiltinTask(ConfigurableTask):
+    """lm-eval's ``ConfigurableTask``, for the built-in tasks, where a ``--metadata`` key wins over the same key
+    of the task YAML's ``dataset_kwargs``.
+
+    lm-eval builds a ``custom_dataset`` task's data with ``custom_dataset(**metadata, **dataset_kwargs)``, so a
+    key in both (``--metadata '{"first_tokens": 512}'`` on ``hfa_stdlib_heldout_1k``, whose YAML sets
+    ``first_tokens: 1024``) would be a TypeError: here the metadata's value is taken (the user's ``--metadata``
+    or ``--model_args``, which lm-eval passes to tasks as metadata too) and the YAML's is dropped from the
+    task's ``dataset_kwargs``, so the saved task config shows the value used, under ``metadata``.
+
+    Named in a task YAML as ``class: !function hfa_builtin.BuiltinTask`` (or a subclass).
+    """
+
+    def __init__(self, config: dict | None = None) -> None:
+        super().__init__(config={key: value for key, value in (config or {}).items() if key != "class"})
+
+    def download(self, dataset_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        metadata = self.config.metadata or {}
+        if callable(self.config.custom_dataset) and self.config.dataset_kwargs:
+            kept = {key: v for key, v in self.config.dataset_kwargs.items() if key not in metadata}
+            self.config.dataset_kwargs = dataset_kwargs = kept
+        super().download(dataset_kwargs, **kwargs)
+
+
+class PositionPerplexityTask(BuiltinTask):
     """A perplexity task (``loglikelihood_rolling``) that also reports perplexity by token position.
 
     One ``ppl_<bucket>`` metric per position bucket (``ppl_0-2k``, ``ppl_2k-4k``... ``ppl_32k+``): lm-eval's
@@ -51,7 +75,7 @@ class PositionPerplexityTask(ConfigurableTask):
     """
 
     def __init__(self, config: dict | None = None) -> None:
-        super().__init__(config={key: value for key, value in (config or {}).items() if key != "class"})
+        super().__init__(config=config)
         self.buckets = read_buckets(as_written((self.config.metadata or {}).get("position_buckets")))
         for bucket in self.buckets:
             self._aggregation_list[bucket.metric] = weighted_perplexity
@@ -75,6 +99,42 @@ class PositionPerplexityTask(ConfigurableTask):
             if count:
                 metrics[bucket.metric] = (-total, count)
         return metrics
+
+
+class PasskeyTask(BuiltinTask):
+    """The passkey tasks' class: one ``acc_depth_D`` metric for each depth that the run's prompts have, and none
+    for the others.
+
+    `passkey_results` gives each prompt a metric for every depth of `PASSKEY_DEPTHS` (None but at its own); a
+    depth that no prompt of the run has (cut by ``--limit``, or not in ``--metadata '{"depths": [...]}'``)
+    would print as NaN. Here every prompt reports the depths of the prompts run (its own value, None at the
+    others), so each depth row is the mean over its own prompts (`mean_present`) and no row is NaN; a depth
+    outside `PASSKEY_DEPTHS` gets its row the same way.
+
+    Named in ``_hfa_passkey_base.yaml`` as ``class: !function hfa_builtin.PasskeyTask``.
+    """
+
+    depths_run: tuple[str, ...] | None = None
+    """The depth metrics of the prompts run (every process's), once lm-eval has built the requests."""
+
+    def build_all_requests(
+        self, *, limit: int | None = None, samples: list[int] | None = None, **kwargs: Any
+    ):
+        # Every process's prompts, not this one's share: every process must report the same metrics.
+        run = self.doc_iterator(rank=0, world_size=1, limit=limit, samples=samples)
+        self.depths_run = tuple(sorted({depth_metric(doc["depth"]) for _, doc in run}))
+        for metric in self.depths_run:
+            self._aggregation_list[metric] = mean_present
+            self._higher_is_better[metric] = True
+        super().build_all_requests(limit=limit, samples=samples, **kwargs)
+
+    def process_results(self, doc: dict, results: list) -> dict[str, Any]:
+        metrics = super().process_results(doc, results)
+        if self.depths_run is None:
+            return metrics
+        own = depth_metric(doc["depth"])
+        kept = {key: value for key, value in metrics.items() if not key.startswith("acc_depth_")}
+        return kept | dict.fromkeys(self.depths_run) | {own: metrics[own]}
 
 
 def builtin_dataset(
@@ -167,9 +227,14 @@ def passkey_results(doc: dict, results: list) -> dict[str, Any]:
     the key), ``key_loglikelihood``, and ``acc_depth_D`` for its depth D in percent (None at the others; see
     `mean_present`)."""
     loglikelihood, is_greedy = results[0]
-    by_depth = {f"acc_depth_{round(100 * d)}": None for d in PASSKEY_DEPTHS}
-    by_depth[f"acc_depth_{round(100 * doc['depth'])}"] = int(is_greedy)
+    by_depth = {depth_metric(d): None for d in PASSKEY_DEPTHS}
+    by_depth[depth_metric(doc["depth"])] = int(is_greedy)
     return {"acc": int(is_greedy), "key_loglikelihood": loglikelihood, **by_depth}
+
+
+def depth_metric(depth: float) -> str:
+    """The name of the passkey metric at ``depth`` (a fraction of the haystack): ``acc_depth_D``, D in percent."""
+    return f"acc_depth_{round(100 * depth)}"
 
 
 def mean_present(values: Sequence[float | None]) -> float:

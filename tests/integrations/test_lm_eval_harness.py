@@ -323,6 +323,62 @@ def test_eval_configs_index_and_build_the_builtin_tasks():
         assert abs(len(tokenizer(doc["text"])["input_ids"]) - 4096) <= 2  # cut at a token boundary
 
 
+def _builtin_task(name: str, **metadata):
+    manager = TaskManager(include_path=str(EVAL_CONFIGS), include_defaults=False, metadata=metadata or None)
+    return manager.load([name])["tasks"][name]
+
+
+def test_a_metadata_key_the_task_sets_too_takes_the_users_value():
+    """``--metadata '{"first_tokens": 512}'`` on ``hfa_stdlib_heldout_1k``, whose YAML sets ``first_tokens: 1024``,
+    as the README does for ``hfa_kjv_books``: the user's value, not lm-eval's TypeError (issue 54)."""
+    if not (default_model_path() / "tokenizer.json").is_file():
+        pytest.skip("shipped tokenizer missing")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    whole = list(_builtin_task("hfa_stdlib_heldout_1k").test_docs())
+    task = _builtin_task("hfa_stdlib_heldout_1k", first_tokens=512)
+    cut = list(task.test_docs())
+    assert [d["name"] for d in cut] == [d["name"] for d in whole]  # min_tokens still the YAML's 1024
+    for doc, source in zip(cut, whole):
+        assert source["text"].startswith(doc["text"])
+        assert abs(len(tokenizer(doc["text"])["input_ids"]) - 512) <= 2
+    # The saved task config says which value was used: the metadata's, no longer the YAML's dataset_kwargs.
+    assert task.config.metadata["first_tokens"] == 512 and "first_tokens" not in task.config.dataset_kwargs
+    prompts = list(_builtin_task("hfa_passkey_4k", lengths=[256], per_cell=1).test_docs())
+    assert {d["length"] for d in prompts} == {256} and len(prompts) == 5
+
+
+def test_the_passkey_table_has_rows_only_for_the_depths_run():
+    """Depths that no prompt of the run has are left out, not printed as NaN; each depth row is the mean over
+    its own prompts (issue 54)."""
+    lm = HFAttnScaleLM(pretrained=str(default_model_path()), dtype="float32", device="cpu")
+    manager = TaskManager(include_path=str(EVAL_CONFIGS), include_defaults=False)
+
+    def run(limit: int) -> tuple[dict, list]:
+        out = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=["hfa_passkey_4k"],
+            task_manager=manager,
+            limit=limit,
+            bootstrap_iters=0,
+            log_samples=True,
+        )
+        return out["results"]["hfa_passkey_4k"], out["samples"]["hfa_passkey_4k"]
+
+    def rows(metrics: dict) -> list[str]:
+        return sorted(k for k in metrics if k.startswith("acc") and "_stderr" not in k)
+
+    metrics, samples = run(1)  # one prompt, at depth 0
+    assert rows(metrics) == ["acc,none", "acc_depth_0,none"]
+    assert not any(isinstance(v, float) and math.isnan(v) for v in metrics.values())
+    metrics, samples = run(3)  # two prompts at depth 0, one at 25%
+    assert rows(metrics) == ["acc,none", "acc_depth_0,none", "acc_depth_25,none"]
+    found = {s["doc_id"]: s["acc"] for s in samples}
+    assert metrics["acc_depth_0,none"] == pytest.approx((found[0] + found[1]) / 2)
+    assert metrics["acc_depth_25,none"] == found[2]
+
+
 def test_an_encoder_is_scored_by_pseudo_likelihood(texts, manager, tmp_path):
     """A saved masked LM through the lm-eval route: word perplexity from the pseudo-log-likelihood."""
     from hf_attnscale.evaluation.mlm import masked_one_at_a_time
