@@ -11,15 +11,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 
 from hf_attnscale.core.call.backends import check_backend
-from hf_attnscale.core.call.gate import gate_input
 from hf_attnscale.core.call.rope import ROPE_FUNCTION, RopeFn, family_rope, family_rotation, no_rotation
 from hf_attnscale.core.call.state import state_of
 from hf_attnscale.core.install.families import attention_modules, takes_position_embeddings
 from hf_attnscale.core.install.installed import get_config
-from hf_attnscale.core.install.routing import cache_argument, rotary_of
+from hf_attnscale.core.install.routing import applies_rope, rotary_of
 from hf_attnscale.core.install.wrappers import unwrap
 
 from .plan import LayerGeometry, layer_geometry
@@ -86,8 +84,14 @@ def _check_family(model_config: Any) -> None:
 def _check_module(module: nn.Module) -> tuple[nn.Module, str | None, Any]:
     """Refuse an attention module as far as its code and the patch tell; else its rotary module, the layer type
     that rotary takes, and the family's rotation its forward calls."""
-    if state_of(module) is None:
+    state = state_of(module)
+    if state is None:
         raise ValueError(UNPATCHED_MESSAGE)
+    if state.config.rerope_window is not None:
+        raise ValueError(
+            "SinkCache cannot stream a model patched with rerope_window: a sink cache already keeps every distance "
+            "within its size (sink_tokens + window). Patch without rerope_window to stream."
+        )
     rotary = rotary_of(module)
     if rotary is None:
         raise ValueError(
@@ -136,7 +140,13 @@ class StreamSpec:
                 self.tables[layer_type] = self._table(module, rotary, layer_type, hidden_states)
             table = self.tables[layer_type]
             rope = family_rotation(rotation, table.width)
-            if not _applies_rope(module, hidden_states, table.width, kwargs):
+            probe = hidden_states[:1, :1].detach()
+            if not applies_rope(
+                module,
+                probe,
+                table.width,
+                token_slice(kwargs, hidden_states.shape[1], slice(0, 1), slice(0, 1)),
+            ):
                 rope = no_rotation
             # Qwen2/3, Gemma-2/3 and Cohere-2 keep a sliding window per layer (None on global layers); Mistral
             # and Phi-3 in the config. 0 is none (Qwen2-MoE's full layers).
@@ -161,22 +171,6 @@ class StreamSpec:
                 "could not stay rotated between calls. Stream it with a static rope type."
             )
         return table
-
-
-def _applies_rope(module: nn.Module, hidden_states: torch.Tensor, width: int, kwargs: dict) -> bool:
-    """Whether the layer applies RoPE at all: NoPE layers (Cohere-2's global ones, SmolLM3's) decide it in their
-    own code, which no config field states for every family. So the module runs once, on one token, with a zero
-    rotation (cos = sin = 0): the keys it hands its cache vanish in the rotary dims exactly when it rotates."""
-    probe, recorder = hidden_states[:1, :1].detach(), DynamicCache()
-    zero = probe.new_zeros(1, 1, width)
-    arguments = {"hidden_states": probe, "position_embeddings": (zero, zero), "attention_mask": None}
-    arguments |= {
-        cache_argument(module): recorder,
-        **token_slice(kwargs, hidden_states.shape[1], slice(0, 1), slice(0, 1)),
-    }
-    with torch.no_grad(), gate_input(module, probe):
-        type(module).forward(module, **arguments)
-    return not bool(recorder.layers[module.layer_idx].keys[..., :width].any())
 
 
 def token_slice(kwargs: dict, q_len: int, tokens: slice, rows: slice = slice(None)) -> dict:

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from hf_attnscale.core.call.rerope import ReRoPECall
+
 HOOKS_KWARG = "hfa_hooks"
 """Name of the keyword argument that carries `CallHooks` down to the attention function."""
 
@@ -33,11 +35,13 @@ class CallHooks:
         query: maps the query ``(B, H, Tq, D)`` before the scale law (a doubled SinkCache call widens it).
         output: maps the attention output ``(B, Tq, H, Dv)`` (a doubled SinkCache call drops its padding).
         probe: called with what the backend is about to compute (`hf_attnscale.diagnostics`).
+        rerope: the call runs ReRoPE over raw queries and keys (`hf_attnscale.core.call.rerope`).
     """
 
     query: Callable[[torch.Tensor], torch.Tensor] | None = None
     output: Callable[[torch.Tensor], torch.Tensor] | None = None
     probe: Callable[..., None] | None = None
+    rerope: ReRoPECall | None = None
 
 
 _AMBIENT: contextvars.ContextVar[CallHooks | None] = contextvars.ContextVar("hfa_hooks", default=None)

@@ -25,6 +25,7 @@ from hf_attnscale.core.call.exit import AttentionFn
 from hf_attnscale.core.call.gate import apply_gate
 from hf_attnscale.core.call.hooks import CallHooks
 from hf_attnscale.core.call.masks import visible_key_counts
+from hf_attnscale.core.call.rerope import rerope_attention
 from hf_attnscale.core.call.state import AttnScaleState
 from hf_attnscale.core.options.laws import query_multiplier
 
@@ -74,26 +75,42 @@ def scaled_attention(
             backend=backend,
             **kwargs,
         )
-    if config.clipped_softmax is not None:
-        if not backend.soft_caps:
-            kwargs.pop("softcap", None)  # neither does its clipped formula
-        out, weights = clipped_softmax_attention(
-            module,
-            query,
-            key,
-            value,
-            attention_mask,
-            *state.clip_bounds(query.device),
-            causal=causal,
-            bottom_right=backend.bottom_right,
-            **kwargs,
-        )
-    elif exit_logits is None:
-        out, weights = backend_fn(module, query, key, value, attention_mask, **kwargs)
-    else:
-        out, weights = backend.exit(
+    if config.clipped_softmax is not None and not backend.soft_caps:
+        kwargs.pop("softcap", None)  # the backend would not cap; neither does its clipped formula
+
+    def attend(query, key, value, attention_mask, causal=causal):
+        """The backend's call, or the clipped formula's; with the exit where there is one."""
+        if config.clipped_softmax is not None:
+            bounds = state.clip_bounds(query.device)
+            return clipped_softmax_attention(
+                module,
+                query,
+                key,
+                value,
+                attention_mask,
+                *bounds,
+                causal=causal,
+                bottom_right=backend.bottom_right,
+                **kwargs,
+            )
+        if exit_logits is None:
+            return backend_fn(module, query, key, value, attention_mask, **kwargs)
+        return backend.exit(
             backend_fn, module, query, key, value, attention_mask, exit_logits, causal, **kwargs
         )
+
+    rerope = None if hooks is None else hooks.rerope
+    if rerope is None:
+        out, weights = attend(query, key, value, attention_mask)
+    else:  # ReRoPE: the backend runs on each chunk's doubled channels, under the chunk's dense mask
+        sliding_window = kwargs.pop("sliding_window", None)
+        kwargs["scaling"] = kwargs.get("scaling") or query.shape[-1] ** -0.5  # the doubled width is not D
+        kwargs["is_causal"] = False
+        chunk = lambda q, k, v, mask: attend(q, k, v, mask, causal=False)  # noqa: E731
+        out = rerope_attention(
+            chunk, rerope, query, key, value, attention_mask, sliding_window=sliding_window
+        )
+        weights = None
     if hooks is not None and hooks.output is not None:
         out = hooks.output(out)
     if state.output_gate is not None:

@@ -50,6 +50,7 @@ from hf_attnscale.core.install.offload import (
     run_device,
     set_forward,
 )
+from hf_attnscale.core.install.rerope import rerope_rotaries
 from hf_attnscale.core.install.routing import ROTARY_ATTR, cache_routed_forward
 from hf_attnscale.core.install.weights import CheckpointNotFound, read_tensors, safetensors_files
 from hf_attnscale.core.install.wrappers import unwrap
@@ -145,6 +146,8 @@ def _installation(root: nn.Module, config: AttnScaleConfig) -> _Installation:
         BACKENDS[backend].check_exit(run_device(root))
     states = [_new_state(config, m, root.config) for m in modules]
     rotary = [rotary_for(root, m) if takes_position_embeddings(m) else None for m in modules]
+    if config.rerope_window is not None:
+        rotary = rerope_rotaries(root, modules, rotary)
     return _Installation(config, rule, modules, states, rotary)
 
 

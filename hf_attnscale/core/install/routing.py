@@ -1,4 +1,5 @@
-"""A patched RoPE attention module's forward: its own, unless the cache runs the attention step itself.
+"""A patched RoPE attention module's forward: its own, unless the cache runs the attention step itself, or the
+patch asks for ReRoPE.
 
 StreamingLLM's pos-shift must place keys and queries at positions inside the cache, which only the cache
 knows. So a patched module that takes RoPE's ``position_embeddings``
@@ -8,6 +9,11 @@ otherwise the class's forward runs unchanged. The core never imports the streami
 rotary embedding the patch found for each module (`rotary_of`) and the per-call hooks (`forward_with_hooks`)
 are the whole protocol.
 
+Under ReRoPE (``rerope_window``), the class's forward runs with the identity rotation in place of the model's
+cos/sin, so its attention call gets raw queries and keys (and its cache stores raw keys), with hooks that carry
+what the call needs to rotate them both ways (`hf_attnscale.core.call.rerope`). A layer that applies no RoPE
+(the patch found none for it) runs as it is.
+
 Why this lives in the core: the patch is the one place that sees the whole model (to find the rotary module
 that feeds each attention module) and the one transaction that installs and removes per-instance forwards
 all at once, exactly; the streaming layer builds on it and only reads what it records.
@@ -15,14 +21,20 @@ all at once, exactly; the streaming layer builds on it and only reads what it re
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from typing import Any
 
+import torch
 from torch import nn
+from transformers import DynamicCache
 
 from hf_attnscale.core.call.gate import gate_input
 from hf_attnscale.core.call.hooks import HOOKS_KWARG, CallHooks, ambient_hooks, using_hooks
+from hf_attnscale.core.call.rerope import ReRoPECall
+from hf_attnscale.core.call.rope import RotaryFrequencies, family_rope, family_rotation
+from hf_attnscale.core.call.state import state_of
 from hf_attnscale.core.install.families import Rotary
 from hf_attnscale.core.install.wrappers import wrapped
 
@@ -63,11 +75,44 @@ def cache_routed_forward(self: nn.Module, *args, **kwargs):
         args, kwargs = (), {**bound.arguments, **extra}
     name = next((n for n in CACHE_ARGUMENTS if hasattr(kwargs.get(n), ATTENTION_STEP)), None)
     if name is None:
+        state = state_of(self)
+        if state is not None and state.config.rerope_window is not None and rotary_of(self) is not None:
+            if args:
+                kwargs["hidden_states"] = args[0]
+            return _rerope_forward(self, state.config, **kwargs)
         return type(self).forward(self, *args, **kwargs)
     if args:
         kwargs["hidden_states"] = args[0]
     cache = kwargs.pop(name)
     return getattr(cache, ATTENTION_STEP)(self, past_key_values=cache, **kwargs)
+
+
+def _rerope_forward(self: nn.Module, config: Any, position_embeddings: Any, **kwargs: Any):
+    """The class's forward under the identity rotation, its attention call given `ReRoPECall` hooks."""
+    cos, sin = position_embeddings
+    rotary, layer_type = rotary_of(self)
+    call = ReRoPECall(
+        window=config.rerope_window,
+        leak=config.rerope_leak,
+        rope=family_rotation(family_rope(self), cos.shape[-1]),
+        frequencies=RotaryFrequencies.of(rotary, layer_type),
+        own=(cos, sin),
+    )
+    identity = (torch.ones_like(cos), torch.zeros_like(sin))
+    return forward_with_hooks(self, CallHooks(rerope=call), position_embeddings=identity, **kwargs)
+
+
+def applies_rope(module: nn.Module, probe: torch.Tensor, width: int, kwargs: dict[str, Any]) -> bool:
+    """Whether the layer applies RoPE at all: NoPE layers (Cohere-2's global ones, SmolLM3's) decide it in their
+    own code, which no config field states for every family. So the module runs once, on ``probe`` (one token's
+    hidden state, ``(1, 1, hidden)``; ``kwargs``: that token's other arguments), with a zero rotation
+    (cos = sin = 0): the keys it hands its cache vanish in the ``width`` rotary dims exactly when it rotates."""
+    recorder, zero = DynamicCache(), probe.new_zeros(1, 1, width)
+    arguments = {"hidden_states": probe, "position_embeddings": (zero, zero), "attention_mask": None}
+    arguments |= {cache_argument(module): recorder, **kwargs}
+    with torch.no_grad(), gate_input(module, probe):
+        type(module).forward(module, **arguments)
+    return not bool(recorder.layers[module.layer_idx].keys[..., :width].any())
 
 
 def rotary_of(module: nn.Module) -> Rotary | None:
@@ -84,7 +129,7 @@ def forward_with_hooks(module: nn.Module, hooks: CallHooks, **kwargs: Any):
     """
     ambient = ambient_hooks()
     if ambient is not None and hooks.probe is None:
-        hooks = CallHooks(query=hooks.query, output=hooks.output, probe=ambient.probe)
+        hooks = dataclasses.replace(hooks, probe=ambient.probe)
     forward = type(module).forward
     with gate_input(module, kwargs.get("hidden_states")):
         if _takes_any_keyword(forward):

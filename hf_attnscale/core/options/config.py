@@ -108,6 +108,12 @@ class AttnScaleConfig:
         zero_kv: add a zero key and zero value every query sees (softmax-off-by-one).
         sink_logit: a per-head sink logit column whose value is zero: a fixed float, or ``"learnable"``
             (an ``nn.Parameter`` per head, initialised to 0, which equals ``zero_kv``).
+        rerope_window: ReRoPE's window w (Su 2023): a query and a key ``d = i − j`` apart are scored with RoPE at
+            distance ``d`` when ``d < w`` and at ``w`` from there on, so no distance is ever one the model did
+            not see. RoPE decoders on eager or sdpa; positions are the cache's, so distances are those of each
+            row's tokens (left padding included). Costs a second set of scores.
+        rerope_leak: k > 1 gives leaky ReRoPE: ``d ≥ w`` is scored at ``w + (d − w) / k`` (Su uses k = 16).
+            Only with ``rerope_window``.
     """
 
     scale: ScaleName = field(
@@ -140,6 +146,14 @@ class AttnScaleConfig:
     gate: GateKind | None = field(
         default=None,
         metadata=_option("a learnable sigmoid gate on each head's output", choices=GATES, head=True),
+    )
+    rerope_window: int | None = field(
+        default=None,
+        metadata=_option("ReRoPE: score distances >= W at W (RoPE decoders)", parse=int, metavar="W"),
+    )
+    rerope_leak: float | None = field(
+        default=None,
+        metadata=_option("leaky ReRoPE: distances >= W at W + (d - W) / K, K > 1", parse=float, metavar="K"),
     )
     version: int = field(default=1, repr=False)
 
@@ -210,6 +224,20 @@ class AttnScaleConfig:
             object.__setattr__(self, "clipped_softmax", (float(clip[0]), float(clip[1])))
         if self.gate is not None and self.gate not in GATES:
             raise ValueError(f"gate must be {' or '.join(map(repr, GATES))} or None, got {self.gate!r}.")
+        if self.rerope_window is not None:
+            object.__setattr__(self, "rerope_window", check_int("rerope_window", self.rerope_window, 1))
+        leak = self.rerope_leak
+        if leak is not None:
+            if self.rerope_window is None:
+                raise ValueError("rerope_leak only applies with rerope_window; pass rerope_window=W too.")
+            if (
+                isinstance(leak, bool)
+                or not isinstance(leak, (int, float))
+                or not math.isfinite(leak)
+                or leak <= 1
+            ):
+                raise ValueError(f"rerope_leak must be a finite float > 1 (Su uses 16), got {leak!r}.")
+            object.__setattr__(self, "rerope_leak", float(leak))
         if clip is not None and self.has_exit:
             raise ValueError(
                 "clipped_softmax cannot be combined with zero_kv / sink_logit: each lets a head attend to "
@@ -232,7 +260,11 @@ class AttnScaleConfig:
     def is_identity(self) -> bool:
         """True when the patch leaves attention outputs unchanged."""
         return (
-            self.scale == "none" and not self.has_exit and self.clipped_softmax is None and self.gate is None
+            self.scale == "none"
+            and not self.has_exit
+            and self.clipped_softmax is None
+            and self.gate is None
+            and self.rerope_window is None
         )
 
     @classmethod

@@ -1,0 +1,129 @@
+"""ReRoPE (Su 2023, `bojone/rerope`): RoPE with its relative distance clamped at a window.
+
+A query at position i and a key at j, ``d = i − j`` apart, are scored at distance ``d`` while ``d < w``, and at
+``w`` from there on (leaky ReRoPE: at ``w + (d − w) / k``), so no distance is ever one the model did not see:
+
+    near (d < w):   (R(i) q) · (R(j) k)            the model's own RoPE
+    far  (d ≥ w):   (R(w) q) · k                  = q · R(−w) k
+    leaky far:      (R'(i + w(k − 1)) q) · (R'(j) k),  R' of frequencies θ / k
+
+The patched module's forward runs with the identity rotation (`hf_attnscale.core.install.routing`), so the
+call receives raw queries and keys, and its cache stores raw keys; here they are rotated both ways. Each query
+chunk is one call of the backend on doubled channels (the near copy of a key ``[R(j) k, 0]``, the far copy
+``[0, k]``, each query ``[R(i) q, R(w) q]``) under a dense mask that shows each key once, near or far: plain
+public attention, which PyTorch differentiates by itself. A chunk of queries [a, a + c) only ever sees near keys
+in [a − w + 1, a + c) and far keys before a + c − w, so no T × T tensor is ever held, and the queries' work is
+about a + 2c keys' worth.
+
+Positions are counted in the cache (the queries are its last ones): a row's distances are those of its tokens
+whenever its positions are consecutive, left padding included (the padding is masked).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hf_attnscale.core.call.masks import visible_entries
+from hf_attnscale.core.call.rope import CosSin, RopeFn, RotaryFrequencies, rotate
+
+ChunkFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]
+]
+"""Attention over one chunk: ``(q, k, v, additive mask) -> ((B, c, H, Dv) output, weights or None)``."""
+MASK_CHUNK = 2**24
+"""Mask entries per chunk call (queries × keys): 64 MiB of a float32 mask, 1,024 queries at 16k keys."""
+
+
+@dataclass(frozen=True)
+class ReRoPECall:
+    """What one attention call needs for ReRoPE, carried by its hooks (`hf_attnscale.core.call.hooks`).
+
+    Attributes:
+        window: w, the distance from which scores are clamped.
+        leak: k of leaky ReRoPE, or None.
+        rope: the family's rotation ``(q, k, cos, sin)`` over its rotary dims.
+        frequencies: the rotary module's, as of this call.
+        own: the model's own cos/sin for the call's new tokens (used while the cache held nothing before).
+    """
+
+    window: int
+    leak: float | None
+    rope: RopeFn
+    frequencies: RotaryFrequencies
+    own: CosSin
+
+
+def rerope_attention(
+    attend: ChunkFn,
+    call: ReRoPECall,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """ReRoPE over raw ``query`` ``(B, H, Tq, D)`` and ``key`` / ``value`` ``(B, Hkv, Tk, D)``, causal, the queries
+    being the last ``Tq`` keys; ``mask`` None (causal, ``sliding_window`` keys at most) or 4D, bool or
+    additive. Returns ``(B, Tq, H, Dv)``."""
+    q_len, k_len, dtype = query.shape[2], key.shape[2], query.dtype
+    past, window = k_len - q_len, call.window
+    device = query.device
+    positions = torch.arange(k_len, device=device)[None]
+    if past == 0 and call.own[0].shape[-2] == k_len:
+        near_cos_sin = call.own  # the model's own, for its prefill
+    else:
+        near_cos_sin = call.frequencies.cos_sin(positions, dtype)
+    near_q = rotate(call.rope, query, tuple(t[:, past:] for t in near_cos_sin))
+    near_k = rotate(call.rope, key, near_cos_sin)
+    if call.leak is None:
+        far_q = rotate(
+            call.rope, query, call.frequencies.cos_sin(torch.full_like(positions[:, :1], window), dtype)
+        )
+        far_k = rotate(call.rope, key, call.frequencies.cos_sin(positions[:, :1] * 0, dtype))
+    else:
+        shifted = positions[:, past:] + window * (call.leak - 1)
+        far_q = rotate(call.rope, query, call.frequencies.cos_sin(shifted, dtype, call.leak))
+        far_k = rotate(call.rope, key, call.frequencies.cos_sin(positions, dtype, call.leak))
+    dim = query.shape[-1]
+    rows = max(1, MASK_CHUNK // (k_len + window))
+    outs = []
+    for start in range(0, q_len, rows):
+        stop = min(q_len, start + rows)
+        first, last = past + start, past + stop - 1  # the chunk's query positions
+        far_end = max(0, min(k_len, last - window + 1))  # keys [0, far_end) may be far for some query
+        near_start = max(0, first - window + 1)  # keys [near_start, last] may be near
+        q_pos = torch.arange(first, last + 1, device=device)[:, None]
+        visible = _visible(mask, start, stop, k_len, q_pos, sliding_window, device)
+        far_keys = torch.arange(far_end, device=device)
+        near_keys = torch.arange(near_start, k_len, device=device)
+        far_mask = visible[..., :far_end] & (q_pos - far_keys >= window)
+        near_mask = visible[..., near_start:] & (q_pos - near_keys < window)
+        keys = torch.cat(
+            [F.pad(far_k[:, :, :far_end], (dim, 0)), F.pad(near_k[:, :, near_start:], (0, dim))], 2
+        )
+        values = torch.cat([value[:, :, :far_end], value[:, :, near_start:]], dim=2)
+        queries = torch.cat([near_q[:, :, start:stop], far_q[:, :, start:stop]], dim=-1)
+        shown = torch.cat([far_mask, near_mask], dim=-1)
+        additive = torch.zeros(shown.shape, dtype=dtype, device=device).masked_fill_(
+            ~shown, torch.finfo(dtype).min
+        )
+        out, _ = attend(queries, keys, values, additive)
+        outs.append(out)
+    return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+
+
+def _visible(mask, start, stop, k_len, q_pos, sliding_window, device) -> torch.Tensor:
+    """Which keys the chunk's queries see before ReRoPE, bool ``(B|1, 1|H, c, Tk)``."""
+    if mask is not None:
+        rows = mask[..., start:stop, :k_len] if mask.shape[-2] > 1 else mask[..., :k_len]
+        return visible_entries(rows)
+    keys = torch.arange(k_len, device=device)
+    visible = keys <= q_pos
+    if sliding_window:
+        visible = visible & (q_pos - keys < sliding_window)
+    return visible[None, None]

@@ -1,0 +1,63 @@
+"""What ReRoPE needs of a model, checked when it is patched: a RoPE decoder on eager or sdpa attention whose
+layers rotate by their family's ``apply_rotary_pos_emb`` with cos/sin computed from ``inv_freq``. Layers that
+apply no RoPE (NoPE layers) are found here and left as they are."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hf_attnscale.core.call.backends import check_backend
+from hf_attnscale.core.call.rope import ROPE_FUNCTION, RotaryFrequencies, family_rope
+from hf_attnscale.core.install.families import Rotary
+from hf_attnscale.core.install.routing import applies_rope
+
+RERoPE_BACKENDS = ("eager", "sdpa")
+
+
+def rerope_rotaries(
+    root: nn.Module, modules: list[nn.Module], rotaries: list[Rotary | None]
+) -> list[Rotary | None]:
+    """``rotaries`` (each module's rotary embedding) with None for the layers that apply no RoPE; raises
+    ValueError, saying why, where ReRoPE cannot serve the model."""
+    name = f"{type(root).__name__} (model_type {root.config.model_type!r})"
+    check_backend(
+        root.config._attn_implementation,
+        RERoPE_BACKENDS,
+        "ReRoPE (it shows each key near or far by a dense mask)",
+    )
+    if not all(getattr(m, "is_causal", True) for m in modules):
+        raise ValueError(
+            f"rerope_window: {name} is an encoder; ReRoPE is for RoPE decoders (an encoder's keys lie on both "
+            "sides of each query). Use the scale options alone."
+        )
+    if all(r is None for r in rotaries):
+        raise ValueError(
+            f"rerope_window: {name} has no RoPE that ReRoPE can re-place (no rotary embedding feeds its "
+            "attention, or several do). Use the scale options alone."
+        )
+    found: list[Rotary | None] = []
+    for module, rotary in zip(modules, rotaries):
+        if rotary is None:
+            found.append(None)
+            continue
+        if family_rope(module) is None:
+            raise ValueError(
+                f"rerope_window: {type(module).__name__}'s forward does not rotate by its family's "
+                f"{ROPE_FUNCTION}(q, k, cos, sin), through which ReRoPE rotates by clamped distances."
+            )
+        weight = next(module.parameters())
+        like = torch.zeros(
+            1, 1, root.config.get_text_config().hidden_size, dtype=weight.dtype, device=weight.device
+        )
+        frequencies = RotaryFrequencies.of(*rotary)
+        if frequencies is None or not frequencies.matches(*rotary, like):
+            raise ValueError(
+                f"rerope_window: {type(rotary[0]).__name__} does not compute cos/sin from inv_freq in the usual "
+                "layout (complex frequencies, or its own), so ReRoPE cannot rotate by clamped distances."
+            )
+        width = frequencies.inv_freq.shape[-1] * 2
+        probe = torch.randn(like.shape, generator=torch.Generator().manual_seed(0)).to(like)
+        position = {"position_ids": torch.zeros(1, 1, dtype=torch.long, device=like.device)}
+        found.append(rotary if applies_rope(module, probe, width, position) else None)
+    return found
