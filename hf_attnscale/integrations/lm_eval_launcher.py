@@ -15,19 +15,25 @@ Importing this module needs lm-eval (``pip install hf_attnscale[eval]``); ``impo
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from hf_attnscale.checkpoints.real import FetchError
 from hf_attnscale.integrations.lm_eval_model import ModelArgsError, register
 from hf_attnscale.integrations.lm_eval_tasks_data import TASKS_DIR
+
+TASKS_NOT_FOUND = "Tasks not found: "
+"""How lm-eval's CLI begins its error for task names it does not know (a ValueError, ``Tasks not found: a, b``)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run lm-eval's own CLI with ``argv`` (default: ``sys.argv[1:]``) after registering ``hf-attnscale``.
 
     Returns the exit status: 0, or 2 after a bad ``--model_args`` value for ``hf-attnscale`` (a
-    `ModelArgsError`) or a real checkpoint that could not be fetched, each printed as one line on stderr
+    `ModelArgsError`), a real checkpoint that could not be fetched, or a task name lm-eval does not know (with
+    the nearest names it knows, `unknown_tasks`), each printed as one line on stderr
     (``hf-attnscale lm-eval: error: ...``). Anything else that fails inside lm-eval keeps its traceback;
     lm-eval's own usage errors exit through argparse (status 2).
     """
@@ -48,14 +54,60 @@ def main(argv: Sequence[str] | None = None) -> int:
     # takes none, and inserts "run" into sys.argv itself). So sys.argv is swapped for a list of our own, and
     # the caller's is put back however the run ends (an error, argparse's SystemExit, --help).
     saved, sys.argv = sys.argv, ["lm-eval", *argv]
+    managers: list = []
     try:
-        cli_evaluate()
+        with _task_managers_kept(managers):
+            cli_evaluate()
     except (ModelArgsError, FetchError) as err:
         print(f"hf-attnscale lm-eval: error: {err}", file=sys.stderr)
+        return 2
+    except ValueError as err:
+        if not str(err).startswith(TASKS_NOT_FOUND):
+            raise
+        missing = str(err).removeprefix(TASKS_NOT_FOUND).split(", ")
+        known = managers[-1].all_tasks if managers else []
+        print(f"hf-attnscale lm-eval: error: {unknown_tasks(missing, known)}", file=sys.stderr)
         return 2
     finally:
         sys.argv = saved
     return 0
+
+
+def unknown_tasks(missing: Sequence[str], known: Sequence[str]) -> str:
+    """The one line for task names lm-eval does not know: each with the names nearest to it among ``known``
+    (the tasks, groups and tags of lm-eval's task index, ours included), and where to find them all."""
+    named = []
+    for name in missing:
+        close = [repr(near) for near in difflib.get_close_matches(name, known, n=3)]
+        hint = f"{', '.join(close[:-1])} or {close[-1]}" if len(close) > 1 else "".join(close)
+        named.append(f"{name!r} (did you mean {hint}?)" if close else repr(name))
+    return (
+        f"Unknown task{'s' if len(missing) > 1 else ''} {', '.join(named)}; `hf-attnscale lm-eval ls tasks` "
+        "lists the tasks, groups and tags lm-eval knows."
+    )
+
+
+@contextlib.contextmanager
+def _task_managers_kept(kept: list) -> Iterator[None]:
+    """While lm-eval's CLI runs, keep each `TaskManager` it makes in ``kept``: after a misspelt task its index
+    gives the nearest names, with no second indexing (15-20 s for lm-eval's own tasks). lm-eval's CLI imports
+    the class from ``lm_eval.tasks`` when it runs, so a subclass that keeps its instances stands there
+    meanwhile; without one kept, the error has no suggestion."""
+    import lm_eval.tasks
+
+    made = lm_eval.tasks.TaskManager
+
+    class Kept(made):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            kept.append(self)
+
+    Kept.__name__ = Kept.__qualname__ = made.__name__
+    lm_eval.tasks.TaskManager = Kept
+    try:
+        yield
+    finally:
+        lm_eval.tasks.TaskManager = made
 
 
 if __name__ == "__main__":

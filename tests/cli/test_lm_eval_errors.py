@@ -106,3 +106,23 @@ def test_a_scale_without_train_length_takes_max_position_embeddings():
     )
     given = HFAttnScaleLM(pretrained=str(default_model_path()), scale="logn", train_length=64, device="cpu")
     assert hfa.get_config(given.model).train_length == 64
+
+
+def test_a_misspelt_task_is_one_line_with_the_nearest_names(tmp_path, capsys):
+    """``--tasks hfa_paskey_4k`` (issue 54): one line naming it and the nearest names lm-eval knows, ours
+    included, instead of lm-eval's traceback."""
+    import lm_eval.tasks
+
+    manager_class = lm_eval.tasks.TaskManager
+    argv = ["lm-eval", "--model", "hf-attnscale", "--model_args", f"pretrained={default_model_path()}"]
+    argv += ["--tasks", "hfa_paskey_4k", "--device", "cpu", "--output_path", str(tmp_path / "out")]
+    code = main(argv)
+    _, err = capsys.readouterr()
+    assert code == 2, err[-3000:]
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+    assert re.fullmatch(
+        r"hf-attnscale lm-eval: error: Unknown task 'hfa_paskey_4k' \(did you mean 'hfa_passkey_4k', '[^']+' or "
+        r"'[^']+'\?\); `hf-attnscale lm-eval ls tasks` lists the tasks, groups and tags lm-eval knows\.",
+        err.rstrip("\n").splitlines()[-1],
+    ), err[-1000:]
+    assert lm_eval.tasks.TaskManager is manager_class  # put back after the run
