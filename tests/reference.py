@@ -9,6 +9,7 @@ heads), to size its per-head parameters (see `make_reference`).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import sys
@@ -66,6 +67,7 @@ def reference_attention(
     softcap=None,
     model_sinks=None,
     bias=None,
+    logits=None,
 ):
     """q (B,H,Tq,D), k/v (B,Hkv,Tk,D), visible bool broadcastable to (B,H,Tq,Tk). Returns (B,H,Tq,D), and with
     ``with_weights`` also the attention weights over the keys (B,H,Tq,Tk), the exit column dropped.
@@ -74,13 +76,16 @@ def reference_attention(
     logit soft-capping (``softcap``), then the mask; then the model's own sink logits (gpt-oss, ``model_sinks``)
     and the patch's exit, neither scaled nor capped, each a column whose value is zero. ``bias`` (a family's
     relative position bias, or the finite values of an additive mask) is added after the cap, unscaled.
+    ``logits`` (B,H,Tq,Tk), where given, are the scores before ``scaling`` in place of ``q·k`` (ReRoPE's).
     """
     heads = q.shape[1]
     k = k.repeat_interleave(heads // k.shape[1], dim=1)
     v = v.repeat_interleave(heads // v.shape[1], dim=1)
     visible = visible.expand(q.shape[0], heads, q.shape[2], k.shape[2])
     exact = torch.promote_types(q.dtype, torch.float32)  # at least fp32; fp64 models stay fp64
-    scores = torch.matmul(q.to(exact), k.to(exact).transpose(-1, -2)) * scaling
+    if logits is None:
+        logits = torch.matmul(q.to(exact), k.to(exact).transpose(-1, -2))
+    scores = logits.to(exact) * scaling
     if scale != "none":
         n = visible.to(exact).sum(-1)
         slope = None if slope is None else slope.to(n.device)  # the reference's parameters live on the CPU
@@ -109,6 +114,37 @@ def reference_attention(
     return (out, probs[..., : k.shape[2]].to(q.dtype)) if with_weights else out
 
 
+def rotated(x, angle_steps, inv_freq, scale):
+    """RoPE straight from its definition: the first ``2·len(inv_freq)`` dims of ``x`` (..., D) turned by
+    ``angle_steps · inv_freq`` in halves (pair c is dims c and c + half), times ``scale``; the rest as they are."""
+    half = inv_freq.shape[0]
+    angle = angle_steps.to(torch.float64)[..., None] * inv_freq.to(torch.float64)
+    cos, sin = angle.cos(), angle.sin()
+    x = x.to(torch.float64)
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    first, second = (x1 * cos - x2 * sin) * scale, (x2 * cos + x1 * sin) * scale
+    return torch.cat([first, second, rest.expand(*first.shape[:-1], rest.shape[-1])], dim=-1)
+
+
+def rerope_logits(q, k, window, leak, inv_freq, scale):
+    """ReRoPE's scores (B,H,Tq,Tk) from raw ``q`` (B,H,Tq,D) and ``k`` (B,Hkv,Tk,D), the queries the last Tq
+    positions: each pair at its distance d = i - j, clamped to ``window`` (leaky: ``window + (d - window) /
+    leak``), as ``R(d') q · k``, pair by pair."""
+    heads, q_len, k_len = q.shape[1], q.shape[2], k.shape[2]
+    k = k.repeat_interleave(heads // k.shape[1], dim=1)
+    i = torch.arange(k_len - q_len, k_len)[:, None]
+    j = torch.arange(k_len)[None, :]
+    d = (i - j).to(torch.float64)
+    far = window + (d - window) / leak if leak else torch.full_like(d, float(window))
+    distance = torch.where(d < window, d, far)  # (Tq, Tk)
+    out = torch.empty(q.shape[0], heads, q_len, k_len, dtype=torch.float64)
+    k_scaled = rotated(k, torch.zeros(()), inv_freq, scale)  # R(0): the scale on the rotary dims only
+    for row in range(q_len):
+        q_turned = rotated(q[:, :, row : row + 1], distance[row], inv_freq, scale)  # (B,H,Tk,D)
+        out[:, :, row] = (q_turned * k_scaled).sum(-1)
+    return out
+
+
 class ReferencePatch:
     """Per-layer reference parameters and options for `reference_forward` (set on the module as `hfa_ref`)."""
 
@@ -126,6 +162,8 @@ class ReferencePatch:
         beta=None,
         clipped_softmax=None,
         gate=None,
+        rerope_window=None,
+        rerope_leak=None,
     ):
         self.apply_softcap = (
             apply_softcap  # eager caps the logits; sdpa ignores the cap, and so must its reference
@@ -134,6 +172,10 @@ class ReferencePatch:
         self.clamp = scale in ("logn", "gradmax") if clamp is None else clamp
         self.beta = 0.1 if beta is None and scale in ("llama4", "ministral3") else beta
         self.gate = gate  # "head" / "element": its weight and bias are set with `set_gate`, else zero
+        # ReRoPE: the reference model's rotary returns the identity, and `rerope_rope` holds the real one's
+        # (inv_freq, attention scaling), set by `make_reference` for the layers that rotate.
+        self.rerope = (rerope_window, rerope_leak) if rerope_window else None
+        self.rerope_rope = None
         self.gate_weight = self.gate_bias = None
         if clipped_softmax == "learnable":
             self.clip = (torch.nn.Parameter(torch.zeros(heads)), torch.nn.Parameter(torch.ones(heads)))
@@ -173,6 +215,9 @@ def reference_forward(module, query, key, value, attention_mask, scaling=None, d
         bias = mask.masked_fill(~visible, 0.0)  # a family's float mask may carry values (Doge's dynamic mask)
     if kwargs.get("position_bias") is not None:
         bias = kwargs["position_bias"] if bias is None else bias + kwargs["position_bias"]
+    logits = None
+    if ref.rerope is not None and ref.rerope_rope is not None:
+        logits = rerope_logits(query, key, *ref.rerope, *ref.rerope_rope())
     out, weights = reference_attention(
         query,
         key,
@@ -190,6 +235,7 @@ def reference_forward(module, query, key, value, attention_mask, scaling=None, d
         softcap=kwargs.get("softcap") if ref.apply_softcap else None,
         model_sinks=kwargs["s_aux"] if kwargs.get("s_aux") is not None else kwargs.get("sinks"),
         bias=bias,
+        logits=logits,
     )
     out = out.transpose(1, 2)  # (B, Tq, H, Dv)
     if ref.gate is not None:  # out_h * 2 sigmoid(x W + b), x the module's input (taken by `_remember_input`)
@@ -233,7 +279,53 @@ def make_reference(model, attention_classes, **patch_kwargs):
             if module.hfa_ref.gate is not None:
                 module.register_forward_pre_hook(_remember_input, with_kwargs=True)
             refs.append(module.hfa_ref)
+    if patch_kwargs.get("rerope_window"):
+        _raw_rope(model, refs)
     return refs
+
+
+def _raw_rope(model, refs) -> None:
+    """ReRoPE's reference: the model's rotary returns the identity, so every attention call gets raw q and k,
+    and each layer's reference holds the real frequencies to rotate them by clamped distances. A layer that
+    applies no RoPE (``rotates[layer]`` False, from `applies_rope_layers`) keeps plain scores."""
+    rotaries = [m for m in model.modules() if hasattr(m, "rope_type")]
+    assert len(rotaries) == 1, "the reference takes one rotary embedding"
+    rotary = rotaries[0]
+    own_forward = rotary.forward
+    layer_types = getattr(model.config.get_text_config(), "layer_types", None)
+    takes_type = "layer_type" in inspect.signature(own_forward).parameters
+    rotates = applies_rope_layers(model)
+    for index, ref in enumerate(refs):
+        if not rotates[index]:
+            continue
+        prefix = f"{layer_types[index]}_" if takes_type and layer_types else ""
+        ref.rerope_rope = functools.partial(_frequencies_now, rotary, prefix)
+
+    def identity(x, position_ids, *args, **kwargs):
+        cos, _ = own_forward(x, position_ids, *args, **kwargs)
+        return torch.ones_like(cos), torch.zeros_like(cos)
+
+    rotary.forward = identity
+
+
+def _frequencies_now(rotary, prefix):
+    """(inv_freq, attention scaling) of ``rotary`` as of this call (a dynamic rope type changes them)."""
+    inv_freq = getattr(rotary, f"{prefix}inv_freq").detach().clone()
+    scale = getattr(rotary, f"{prefix}attention_scaling", getattr(rotary, "attention_scaling", 1.0))
+    return inv_freq, float(scale)
+
+
+def applies_rope_layers(model) -> list[bool]:
+    """Whether each decoder layer rotates: all, but those a config marks as NoPE (SmolLM3's ``no_rope_layers``
+    of 0, Cohere-2's full-attention layers, Llama-4's ``no_rope_layers`` of 0)."""
+    config = model.config.get_text_config()
+    layers = config.num_hidden_layers
+    no_rope = getattr(config, "no_rope_layers", None)
+    if no_rope is not None:
+        return [bool(flag) for flag in no_rope[:layers]]
+    if config.model_type == "cohere2":
+        return [kind == "sliding_attention" for kind in config.layer_types[:layers]]
+    return [True] * layers
 
 
 # ---------------------------------------------------------------------------------------------------------

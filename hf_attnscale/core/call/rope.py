@@ -94,15 +94,20 @@ class RotaryFrequencies:
         emb = torch.cat([angles, angles], dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 
-    def matches(self, rotary: nn.Module, layer_type: str | None, like: torch.Tensor, count: int = 16) -> bool:
-        """Whether these frequencies give ``rotary``'s own cos/sin at positions ``0..count-1`` (the usual
-        halves layout, real cos/sin): else the module computes RoPE some other way."""
+    @classmethod
+    def checked(
+        cls, rotary: nn.Module, layer_type: str | None, like: torch.Tensor, count: int = 8
+    ) -> RotaryFrequencies | None:
+        """``rotary``'s frequencies, read just after it ran at positions ``0..count-1``, if they give its own
+        cos/sin there (the usual halves layout, real cos/sin); None where it computes RoPE some other way."""
         positions = torch.arange(count, device=like.device)[None]
         own = rotary_output(rotary, layer_type, like, positions)
-        if not (isinstance(own, tuple) and len(own) == 2):
-            return False
-        computed = self.cos_sin(positions, like.dtype)
-        return all(
+        frequencies = cls.of(rotary, layer_type)
+        if frequencies is None or not (isinstance(own, tuple) and len(own) == 2):
+            return None
+        computed = frequencies.cos_sin(positions, like.dtype)
+        same = all(
             got.shape == want.shape and torch.allclose(got.float(), want.float(), atol=1e-5)
             for got, want in zip(computed, own)
         )
+        return frequencies if same else None

@@ -50,8 +50,8 @@ def rerope_rotaries(
         like = torch.zeros(
             1, 1, root.config.get_text_config().hidden_size, dtype=weight.dtype, device=weight.device
         )
-        frequencies = RotaryFrequencies.of(*rotary)
-        if frequencies is None or not frequencies.matches(*rotary, like):
+        frequencies = RotaryFrequencies.checked(*rotary, like)
+        if frequencies is None:
             raise ValueError(
                 f"rerope_window: {type(rotary[0]).__name__} does not compute cos/sin from inv_freq in the usual "
                 "layout (complex frequencies, or its own), so ReRoPE cannot rotate by clamped distances."

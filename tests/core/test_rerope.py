@@ -1,0 +1,221 @@
+"""ReRoPE (``rerope_window``, ``rerope_leak``) against the plain reference in tests/reference.py: scores from the
+raw q and k, rotated pair by pair by the clamped distance; on every main family, the model's rope types, partial
+rotary, local layers and NoPE layers, with the other options, forward and backward."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import DECODERS, GREEDY, SHARP_VOCAB, sharp_model, tiny_model
+from model_zoo import zoo_model
+from reference import make_reference
+
+import hf_attnscale as hfa
+from hf_attnscale.core.install.families import attention_modules
+
+WINDOW, LEAK, LENGTH = 4, 3.0, 16
+ROPE_TYPES = {  # transformers' own rope_parameters, each with what the tiny model's RoPE needs
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8,
+        "rope_theta": 10000.0,
+    },
+    "yarn": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 8,
+        "rope_theta": 10000.0,
+    },
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+}
+OPTIONS = {
+    "rerope": {"rerope_window": WINDOW},
+    "leaky": {"rerope_window": WINDOW, "rerope_leak": LEAK},
+    "rerope+logn": {"rerope_window": WINDOW, "scale": "logn", "train_length": 2},
+    "leaky+zero_kv": {"rerope_window": WINDOW, "rerope_leak": LEAK, "zero_kv": True},
+    "rerope+sink_fixed": {"rerope_window": WINDOW, "sink_logit": 1.5},
+    "rerope+clipped": {"rerope_window": WINDOW, "clipped_softmax": (-0.03, 1.02)},
+    "rerope+ssmax+gate": {"rerope_window": WINDOW, "scale": "ssmax", "train_length": 2, "gate": "head"},
+}
+
+
+def _pair(model, options):
+    """(patched, reference) of ``model``, same weights."""
+    reference = copy.deepcopy(model)
+    hfa.patch(model, **options)
+    make_reference(reference, {type(m).__name__ for m in attention_modules(reference)}, **options)
+    return model, reference
+
+
+def _inputs(batch=2, length=LENGTH, vocab=SHARP_VOCAB, padded=True):
+    ids = torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(batch, length, dtype=torch.long)
+    if padded:
+        mask[1, :3] = 0  # left padding
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _assert_matches(patched, reference, inputs):
+    rows = inputs["attention_mask"].bool()
+    with torch.no_grad():
+        got, want = patched(**inputs).logits, reference(**inputs).logits
+    torch.testing.assert_close(got[rows], want[rows], atol=1e-5, rtol=1e-5)
+    return got[rows]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("model_type", list(DECODERS))
+def test_matches_reference(model_type, option, attn):
+    patched, reference = _pair(sharp_model(model_type, attn), OPTIONS[option])
+    got = _assert_matches(patched, reference, _inputs())
+    hfa.unpatch(patched)
+    with torch.no_grad():
+        plain = patched(**_inputs()).logits[_inputs()["attention_mask"].bool()]
+    assert (plain - got).abs().max() > 1e-3, "ReRoPE changed nothing"
+
+
+@pytest.mark.parametrize("option", ["rerope", "leaky"])
+@pytest.mark.parametrize("rope_type", list(ROPE_TYPES))
+def test_the_models_own_rope_types(rope_type, option):
+    """At the clamped distances, the model's own RoPE: its rope type's frequencies and attention scaling."""
+    model = sharp_model("llama", max_position_embeddings=8, rope_parameters=ROPE_TYPES[rope_type])
+    patched, reference = _pair(model, OPTIONS[option])
+    _assert_matches(patched, reference, _inputs(length=12))  # past 8: YaRN, llama3 and dynamic NTK act
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    [
+        "gemma3_text",  # local and global layers, each with its own RoPE frequencies
+        "gpt_neox",  # partial rotary, sliced off before its own rotation
+        "smollm3",  # NoPE layers, left as they are
+    ],
+)
+def test_families_of_their_own(model_type):
+    patched, reference = _pair(zoo_model(model_type, "sdpa"), OPTIONS["rerope+logn"])
+    vocab = patched.config.get_text_config().vocab_size
+    _assert_matches(patched, reference, _inputs(vocab=min(vocab, 100)))
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_gradients_match_reference(attn):
+    options = {"rerope_window": WINDOW, "rerope_leak": LEAK, "sink_logit": "learnable"}
+    patched, reference = _pair(sharp_model("qwen2", attn), options)
+    inputs = _inputs()
+    rows = inputs["attention_mask"].bool()
+    grads = []
+    for model in (patched, reference):
+        model.zero_grad()
+        model(**inputs).logits[rows].float().pow(2).mean().backward()
+        grads.append(
+            {n: p.grad for n, p in model.named_parameters() if p.grad is not None and "hfa" not in n}
+        )
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name, want in grads[1].items():
+        scale = want.abs().max() + 1e-12
+        assert ((grads[0][name] - want).abs().max() / scale) < 1e-4, name
+    sink = next(m.hfa.sink for m in patched.modules() if hasattr(m, "hfa"))
+    assert sink.grad is not None and sink.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "gemma"])
+def test_a_window_past_the_input_is_the_unpatched_model(model_type):
+    model = sharp_model(model_type)
+    plain = copy.deepcopy(model)
+    hfa.patch(model, rerope_window=LENGTH)
+    inputs = _inputs()
+    rows = inputs["attention_mask"].bool()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(**inputs).logits[rows], plain(**inputs).logits[rows], atol=1e-5, rtol=1e-5
+        )
+
+
+@pytest.mark.parametrize("option", ["rerope", "leaky+zero_kv"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_generate_through_the_models_cache_equals_the_whole_forward(attn, option):
+    """Each decoding step reads the raw keys its cache holds; its logits are the whole sequence's at that step."""
+    model = hfa.patch(sharp_model("llama", attn), **OPTIONS[option])
+    inputs = _inputs(length=6)
+    out = model.generate(**inputs, max_new_tokens=12, **GREEDY)
+    mask = torch.cat([inputs["attention_mask"], torch.ones(2, 12, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        whole = model(input_ids=out.sequences, attention_mask=mask).logits
+    torch.testing.assert_close(torch.stack(out.logits, 1), whole[:, 5:-1], atol=1e-4, rtol=1e-4)
+
+
+def test_a_left_padded_batch_equals_each_prompt_alone():
+    model = hfa.patch(sharp_model("qwen2"), **OPTIONS["leaky"])
+    inputs = _inputs()
+    with torch.no_grad():
+        batch = model(**inputs).logits
+        alone = model(input_ids=inputs["input_ids"][1:, 3:]).logits
+    torch.testing.assert_close(batch[1, 3:], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_long_input_runs_in_query_chunks(monkeypatch):
+    """A call longer than one chunk runs its queries in pieces, with the same result."""
+    from hf_attnscale.core.call import rerope
+
+    patched, reference = _pair(sharp_model("llama"), OPTIONS["leaky"])
+    monkeypatch.setattr(rerope, "MASK_CHUNK", 5 * (LENGTH + WINDOW))  # 5 queries a chunk
+    _assert_matches(patched, reference, _inputs())
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"rerope_window": 0}, "rerope_window must be an int >= 1"),
+        ({"rerope_window": 8, "rerope_leak": 1.0}, "rerope_leak must be a finite float > 1"),
+        ({"rerope_leak": 16.0}, "rerope_leak only applies with rerope_window"),
+    ],
+)
+def test_invalid_options_are_one_line(options, message):
+    model = sharp_model()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=message) as error:
+        hfa.patch(model, **options)
+    assert "\n" not in str(error.value)
+    assert hfa.get_config(model) is None
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: tiny_model("bert"), "is an encoder"),
+        (lambda: tiny_model("modernbert"), "is an encoder"),
+        (lambda: zoo_model("gpt2"), "has no RoPE"),
+        (lambda: zoo_model("cohere2"), "does not compute cos/sin from inv_freq in the usual layout"),
+        (lambda: sharp_model(attn="flex_attention"), "ReRoPE .* needs eager or sdpa attention"),
+    ],
+)
+def test_models_it_cannot_serve_are_refused(build, message):
+    model = build()
+    with pytest.raises(ValueError, match=message):
+        hfa.patch(model, rerope_window=8)
+    assert hfa.get_config(model) is None
+
+
+def test_a_sink_cache_refuses_rerope():
+    model = hfa.patch(sharp_model(), rerope_window=8)
+    with pytest.raises(ValueError, match="already keeps every distance"):
+        model(torch.randint(3, SHARP_VOCAB, (1, 6)), past_key_values=hfa.SinkCache(2, 4))
+
+
+def test_unpatch_restores_the_model():
+    model = sharp_model()
+    plain = copy.deepcopy(model)
+    inputs = _inputs()
+    hfa.patch(model, **OPTIONS["leaky"])
+    hfa.unpatch(model)
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).logits, plain(**inputs).logits)
