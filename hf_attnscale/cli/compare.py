@@ -143,10 +143,10 @@ def run(args: argparse.Namespace) -> int:
     )
     notes = []
     if not any(v.name == "logn" for v in variants):
-        notes.append(
-            f"logn left out: every length is within the trained length ({train_length}), where its factor "
-            "max(1, log_L n) is 1."
-        )
+        from hf_attnscale.evaluation.variants import unchanged_within
+
+        logn = logn_variant(train_length)
+        notes.append(f"logn left out: {unchanged_within(logn.config, max(lengths))}.")
     if args.no_recompute:
         notes.append("re-computation left out (--no-recompute).")
     else:
@@ -173,16 +173,25 @@ def run(args: argparse.Namespace) -> int:
 def comparison_variants(
     caches: Sequence[int], sink_tokens: int, train_length: int, longest: int
 ) -> list[Variant]:
-    """unpatched; logn if ``longest`` exceeds ``train_length`` (within it, logn is 1); then window-only and
-    sink+window streaming with each cache (of ``cache`` tokens, ``sink_tokens`` of them sinks)."""
-    from hf_attnscale.evaluation.variants import Variant
+    """unpatched; logn where it changes something at ``longest`` (past ``train_length``: within it, logn is 1,
+    `unchanged_within`); then window-only and sink+window streaming with each cache (of ``cache`` tokens,
+    ``sink_tokens`` of them sinks)."""
+    from hf_attnscale.evaluation.variants import Variant, unchanged_within
 
     variants = [Variant("unpatched")]
-    if longest > train_length:
-        variants.append(Variant("logn", patch={"scale": "logn", "train_length": train_length}))
+    logn = logn_variant(train_length)
+    if unchanged_within(logn.config, longest) is None:
+        variants.append(logn)
     for cache in caches:
         variants += [Variant.streamed(cache, 0), Variant.streamed(cache, sink_tokens)]
     return variants
+
+
+def logn_variant(train_length: int) -> Variant:
+    """The comparison's logn variant, scaling from ``train_length``."""
+    from hf_attnscale.evaluation.variants import Variant
+
+    return Variant("logn", patch={"scale": "logn", "train_length": train_length})
 
 
 def add_recompute(

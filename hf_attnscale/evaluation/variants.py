@@ -4,19 +4,52 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
 from torch import nn
 
 from hf_attnscale.core.install.patching import patched
 from hf_attnscale.core.options.config import AttnScaleConfig
+from hf_attnscale.core.options.laws import query_multiplier
 from hf_attnscale.streaming.cache import DEFAULT_SINK_TOKENS, SinkCache, cache_settings
 
 
 def cache_label(sink_tokens: int, window: int) -> str:
     """How tables name a streaming cache: ``window-only (W)``, or ``sink+window (S+W)`` with sink tokens."""
     return f"sink+window ({sink_tokens}+{window})" if sink_tokens else f"window-only ({window})"
+
+
+FACTORS = {
+    "logn": "max(1, log_L n)",
+    "gradmax": "max(1, sqrt(log_L n))",
+    "llama4": "1 + beta·ln(1 + ⌊n / L⌋)",
+    "ministral3": "1 + beta·ln(1 + ⌊(n - 1) / L⌋)",
+}
+"""How a note names each scale law's query factor (n: the keys a query sees; L: train_length)."""
+
+
+def unchanged_within(config: AttnScaleConfig | None, longest: int) -> str | None:
+    """Why the patch ``config`` changes nothing where no query sees more than ``longest`` keys, or None where
+    it may change something.
+
+    The one rule for a patch that does nothing at the lengths asked for: `hf-attnscale compare` leaves logn out
+    by it, and the lm-eval model type says so by it. Such a patch is a scale law alone whose query factor
+    (`hf_attnscale.core.options.laws.query_multiplier`, read here at every n up to ``longest``) is 1: logn and
+    gradmax (clamped, as by default) up to their train_length, llama4 below it, ministral3 up to it.
+    """
+    if config is None or config.scale in ("none", "ssmax"):
+        return None
+    if not replace(config, scale="none", train_length=None, clamp=None, beta=None).is_identity:
+        return None  # a sink, clipping or a gate changes attention at any length
+    n = torch.arange(1, longest + 1, dtype=torch.float32).view(1, 1, -1)
+    if not bool(query_multiplier(config, n).eq(1).all()):
+        return None
+    factor = FACTORS[config.scale]
+    if longest <= config.train_length:
+        return f"every length is within the trained length ({config.train_length}), where its factor {factor} is 1"
+    return f"its factor {factor} is 1 at every length up to {longest} (beta={config.beta})"
 
 
 @dataclass(frozen=True)

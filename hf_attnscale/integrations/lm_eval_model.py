@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from hf_attnscale.evaluation.mlm import pseudo_log_likelihood
 from hf_attnscale.evaluation.perplexity import PerplexityResult, perplexity
 from hf_attnscale.evaluation.positions import position_buckets as read_buckets
 from hf_attnscale.evaluation.processes import join_processes
+from hf_attnscale.evaluation.variants import unchanged_within
 from hf_attnscale.streaming.cache import SinkCache, cache_settings
 from hf_attnscale.streaming.spec import check_streaming_model
 
@@ -187,6 +189,7 @@ class HFAttnScaleLM(HFLM):
         options = {name: as_written(kwargs.pop(name)) for name in OPTION_NAMES if name in kwargs}
         scale = options.get("scale")
         length_from_config = scale not in (None, "none") and options.get("train_length") is None
+        self._train_length_from_config = length_from_config
         # Every other option is checked now, with a stand-in length where the config is to give it.
         config = AttnScaleConfig.from_text(**options, **({"train_length": 2} if length_from_config else {}))
         settings = cache_settings(as_written(sink_tokens), as_written(window))
@@ -240,15 +243,18 @@ class HFAttnScaleLM(HFLM):
         lm-eval's own rolling windows of ``max_length`` (one window, the whole document, when it fits), each
         read densely. For a masked LM: the pseudo-log-likelihood, in windows of ``max_length``.
         """
+        self._longest_read = 0
         if self.masked:
-            return self._pseudo_log_likelihoods(requests, disable_tqdm)
-        results = []
-        desc = "streaming documents" if self.streaming else "scoring documents"
-        for request in tqdm(requests, desc=desc, disable=disable_tqdm or self.rank != 0):
-            (text,) = request.args
-            score = DocumentLogLikelihood(self._document_nll(self.tok_encode(text)))
-            self.cache_hook.add_partial("loglikelihood_rolling", (text,), score)
-            results.append(score)
+            results = self._pseudo_log_likelihoods(requests, disable_tqdm)
+        else:
+            results = []
+            desc = "streaming documents" if self.streaming else "scoring documents"
+            for request in tqdm(requests, desc=desc, disable=disable_tqdm or self.rank != 0):
+                (text,) = request.args
+                score = DocumentLogLikelihood(self._document_nll(self.tok_encode(text)))
+                self.cache_hook.add_partial("loglikelihood_rolling", (text,), score)
+                results.append(score)
+        self._note_if_unchanged("loglikelihood_rolling", len(requests))
         return results
 
     def _document_nll(self, tokens: list[int]) -> torch.Tensor:
@@ -270,6 +276,7 @@ class HFAttnScaleLM(HFLM):
     def _score(self, ids: list[int]) -> PerplexityResult:
         """Per-token scores of one token sequence (at least 2): streamed through a fresh `SinkCache` with a
         ``window``, else read densely (`hf_attnscale.perplexity`, ``chunk_size`` tokens per call)."""
+        self._read(len(ids))
         return perplexity(
             self.model,
             torch.tensor(ids, dtype=torch.long),
@@ -286,6 +293,7 @@ class HFAttnScaleLM(HFLM):
             (text,) = request.args
             # The text's own tokens: special ones are neither context the encoder was given nor scored.
             ids = torch.tensor(self.tok_encode(text, add_special_tokens=False), dtype=torch.long)
+            self._read(min(ids.numel(), self.max_length))
             total = pseudo_log_likelihood(self.model, ids, self.tokenizer.mask_token_id, self.max_length)
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
             results.append(total)
@@ -297,7 +305,10 @@ class HFAttnScaleLM(HFLM):
                 "hf-attnscale scores masked LMs (encoders) on perplexity tasks only (loglikelihood_rolling, as "
                 "pseudo-likelihood); multiple-choice loglikelihood needs a causal LM."
             )
-        return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+        self._longest_read = 0
+        results = super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+        self._note_if_unchanged("loglikelihood", len(requests))
+        return results
 
     def _loglikelihood_tokens(
         self,
@@ -332,7 +343,48 @@ class HFAttnScaleLM(HFLM):
     def generate_until(self, requests, disable_tqdm: bool = False):
         if self.masked:
             raise NotImplementedError("A masked LM (an encoder) does not generate text.")
-        return super().generate_until(requests, disable_tqdm=disable_tqdm)
+        self._longest_read = 0
+        results = super().generate_until(requests, disable_tqdm=disable_tqdm)
+        self._note_if_unchanged("generate_until", len(requests))
+        return results
+
+    def _model_call(self, inps: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self._read(inps.shape[-1])  # HFLM's dense loglikelihood batches (right-padded to the longest)
+        return super()._model_call(inps, *args, **kwargs)
+
+    def _model_generate(
+        self, context: torch.Tensor, max_length: int, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        self._read(max_length)  # the context and every token it may generate
+        return super()._model_generate(context, max_length, *args, **kwargs)
+
+    def _read(self, tokens: int) -> None:
+        """Count a model call over ``tokens`` tokens in the most keys a query has seen since the request type
+        began: ``tokens`` read densely, at most the cache's ``sink_tokens + window`` streamed."""
+        seen = min(tokens, self.sink_tokens + self.window) if self.streaming else tokens
+        self._longest_read = max(getattr(self, "_longest_read", 0), seen)
+
+    def _note_if_unchanged(self, request_type: str, count: int) -> None:
+        """Say, in one line on stderr, that the patch changed nothing on the ``count`` requests just scored,
+        where no query saw more keys than its scale leaves as they are (`unchanged_within`, the rule by which
+        ``hf-attnscale compare`` leaves logn out): e.g. ``scale=logn`` on a 4k task, whose train_length came
+        from a config's 8,192. Not said with several processes: each has read only its share."""
+        config = get_config(self.model)
+        reason = unchanged_within(config, self._longest_read) if self._longest_read else None
+        if reason is None or self.world_size > 1:
+            return
+        source = (
+            f"; train_length={config.train_length} is the model config's max_position_embeddings (pass "
+            "train_length=N to scale from another length)"
+            if self._train_length_from_config
+            else ""
+        )
+        print(
+            f"note: scale={config.scale!r} changed nothing on {count} {request_type} request{'s' * (count != 1)} "
+            f"(no query saw more than {self._longest_read} tokens): {reason}{source}.",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def get_model_info(self) -> dict:
         info = super().get_model_info()

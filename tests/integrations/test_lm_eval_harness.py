@@ -254,6 +254,54 @@ def test_without_a_window_loglikelihood_is_lm_evals_own(tiny, long_pairs):
     assert ours.loglikelihood(requests) == theirs.loglikelihood(requests)
 
 
+def test_a_patch_that_changes_nothing_at_the_lengths_read_says_so(capsys):
+    """``scale=logn`` without train_length takes the shipped model's max_position_embeddings, 128. Where no query
+    sees more than 128 tokens, logn's factor is 1 and the scores are the unpatched model's: one note line says
+    so, by the rule by which ``hf-attnscale compare`` leaves logn out (issue 54). Past 128, nothing is said."""
+    from hf_attnscale.evaluation.variants import unchanged_within
+
+    path = str(default_model_path())
+    text = builtin_documents("heldout")[1].text
+    short, long = [(text[:150].rstrip(), text[150:170])], [(text[:1500].rstrip(), text[1500:1520])]
+    lm = HFAttnScaleLM(pretrained=path, scale="logn", max_length=512, dtype="float32", device="cpu")
+    plain = HFLM(pretrained=path, max_length=512, dtype="float32", device="cpu")
+    capsys.readouterr()
+
+    def notes() -> list[str]:
+        return [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+
+    assert lm.loglikelihood(loglikelihood_requests(short)) == plain.loglikelihood(
+        loglikelihood_requests(short)
+    )
+    read = sum(map(len, encoded(lm.tokenizer, *short[0]))) - 1  # HFLM reads all but the last token
+    within = "every length is within the trained length (128), where its factor max(1, log_L n) is 1"
+    assert within == unchanged_within(hfa.AttnScaleConfig(scale="logn", train_length=128), read)
+    assert notes() == [
+        f"note: scale='logn' changed nothing on 1 loglikelihood request (no query saw more than {read} tokens): "
+        f"{within}; train_length=128 is the model config's max_position_embeddings (pass train_length=N to scale "
+        "from another length)."
+    ]
+    assert read < 128 and lm.loglikelihood(loglikelihood_requests(long)) and notes() == []
+    # Streamed, a query sees at most the cache's sink_tokens + window tokens, however long the request.
+    document = [Instance("loglikelihood_rolling", {}, (text[:1500],), 0)]
+    for window, said in [(124, [f"(no query saw more than 128 tokens): {within}."]), (125, [])]:
+        streamed = HFAttnScaleLM(
+            pretrained=path, scale="logn", train_length=128, sink_tokens=4, window=window, device="cpu"
+        )
+        streamed.loglikelihood_rolling(document)
+        assert [
+            line.removeprefix("note: scale='logn' changed nothing on 1 loglikelihood_rolling request ")
+            for line in notes()
+        ] == said
+    # Anything but the scale changes attention at every length; so do laws that are not 1 within L.
+    for changes in ({"sink_logit": 0.0}, {"clamp": False}, {"scale": "ssmax"}, {"scale": "llama4"}):
+        assert (
+            unchanged_within(hfa.AttnScaleConfig(**{"scale": "logn", "train_length": 128, **changes}), 128)
+            is None
+        )
+    assert unchanged_within(hfa.AttnScaleConfig(scale="llama4", train_length=128), 127) is not None
+
+
 def test_bad_options_fail_before_loading():
     with pytest.raises(ValueError, match="sink_tokens=4 needs a window"):
         HFAttnScaleLM(pretrained="/nonexistent/model", sink_tokens=4)
