@@ -252,6 +252,13 @@ def test_every_patch_option_reaches_the_api_the_cli_and_lm_eval():
         "beta": (["--scale", "llama4", "--train-length", "8", "--beta", "0.2"], "0.2", 0.2),
         "clipped_softmax": (["--clipped-softmax=-0.03,1"], "-0.03;1", (-0.03, 1.0)),
         "gate": (["--gate", "head"], "head", "head"),
+        "rerope_window": (["--rerope-window", "8"], "8", 8),
+        "rerope_leak": (["--rerope-window", "8", "--rerope-leak", "16"], "16", 16.0),
+        "rope_parameters": (
+            ["--rope-parameters", '{"rope_type": "yarn", "factor": 4}'],
+            "rope_type=yarn;factor=4",
+            {"rope_type": "yarn", "factor": 4},
+        ),
     }
     assert set(examples) == set(OPTIONS), "a new patch option needs its row here"
     parser = argparse.ArgumentParser()

@@ -51,6 +51,7 @@ from hf_attnscale.core.install.offload import (
     set_forward,
 )
 from hf_attnscale.core.install.rerope import rerope_rotaries
+from hf_attnscale.core.install.rescaling import RotarySlot, own_rotary, put, rescaled, rotary_slots
 from hf_attnscale.core.install.routing import ROTARY_ATTR, cache_routed_forward
 from hf_attnscale.core.install.weights import CheckpointNotFound, read_tensors, safetensors_files
 from hf_attnscale.core.install.wrappers import unwrap
@@ -116,6 +117,7 @@ class _Installation:
     modules: list[nn.Module]
     states: list[AttnScaleState]
     rotary: list[Rotary | None] = field(default_factory=list)
+    rotaries: list[RotarySlot] = field(default_factory=list)  # the rotary embeddings to put in place
 
     @property
     def has_parameters(self) -> bool:
@@ -145,10 +147,22 @@ def _installation(root: nn.Module, config: AttnScaleConfig) -> _Installation:
     if config.has_exit:
         BACKENDS[backend].check_exit(run_device(root))
     states = [_new_state(config, m, root.config) for m in modules]
+    rotaries = [
+        (
+            parent,
+            name,
+            own_rotary(module)
+            if config.rope_parameters is None
+            else rescaled(module, config.rope_parameters),
+        )
+        for parent, name, module in rotary_slots(root)
+    ]
+    new = {id(module): placed for (_, _, module), (_, _, placed) in zip(rotary_slots(root), rotaries)}
     rotary = [rotary_for(root, m) if takes_position_embeddings(m) else None for m in modules]
+    rotary = [None if r is None else (new.get(id(r[0]), r[0]), r[1]) for r in rotary]
     if config.rerope_window is not None:
         rotary = rerope_rotaries(root, modules, rotary)
-    return _Installation(config, rule, modules, states, rotary)
+    return _Installation(config, rule, modules, states, rotary, rotaries)
 
 
 def _new_state(config: AttnScaleConfig, module: nn.Module, model_config: Any) -> AttnScaleState:
@@ -204,6 +218,8 @@ def _install(root: nn.Module, installation: _Installation) -> None:
     try:
         record = _record_config(root)
         setattr(record, CONFIG_KEY, installation.config.to_dict())
+        for slot in installation.rotaries:
+            put(slot)
         for module, state, rotary in zip(installation.modules, installation.states, installation.rotary):
             module._modules[STATE_NAME] = state
             set_gate_hooks(module, installation.config.gate is not None)
@@ -249,6 +265,7 @@ def _snapshot(root: nn.Module, modules: list[nn.Module]) -> dict[str, Any]:
     return {
         "record": (root.config, copy.deepcopy(getattr(root.config, CONFIG_KEY, None))),
         "configs": configs,
+        "rotaries": rotary_slots(root),
         "modules": [
             (
                 m,
@@ -267,6 +284,8 @@ def _restore(root: nn.Module, snapshot: dict[str, Any]) -> None:
     for module in root.modules():
         if id(module) in snapshot["configs"]:
             module.__dict__["config"] = snapshot["configs"][id(module)]
+    for slot in snapshot["rotaries"]:
+        put(slot)
     config, record = snapshot["record"]
     if record is None:
         config.__dict__.pop(CONFIG_KEY, None)
@@ -323,6 +342,8 @@ def unpatch(model: M) -> M:
         set_gate_hooks(module, False)
         module._modules.pop(STATE_NAME, None)
         module.__dict__.pop(ROTARY_ATTR, None)
+    for parent, name, rotary in rotary_slots(root):
+        put((parent, name, own_rotary(rotary)))
     if modules:
         root.config.__dict__.pop(CONFIG_KEY, None)
     return model

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import Field, asdict, dataclass, field, fields
@@ -68,6 +69,31 @@ def _sink_logit(text: str) -> float | str:
         raise ValueError(f"expected a number or 'learnable', got {text!r}") from None
 
 
+def _rope_parameters(text: str) -> dict[str, Any]:
+    """transformers' ``rope_parameters`` as JSON, or ``key=value`` pairs joined by ``;`` (lm-eval's model_args
+    are comma-separated): ``rope_type=yarn;factor=4``."""
+    if text.lstrip().startswith("{"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"expected a JSON object, got {text!r} ({error.msg})") from None
+    pairs = [part.split("=", 1) for part in text.split(";") if part.strip()]
+    if not pairs or any(len(pair) != 2 for pair in pairs):
+        raise ValueError(
+            f"expected KEY=VALUE pairs joined by ';' (e.g. rope_type=yarn;factor=4), got {text!r}"
+        )
+    return {key.strip(): _number_or_text(value.strip()) for key, value in pairs}
+
+
+def _number_or_text(text: str) -> Any:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def _clip_bounds(text: str) -> tuple[float, float] | str:
     """``GAMMA,ZETA`` or ``GAMMA;ZETA`` (lm-eval's model_args are comma-separated), or ``learnable``."""
     if text == "learnable":
@@ -114,6 +140,9 @@ class AttnScaleConfig:
             row's tokens (left padding included). Costs a second set of scores.
         rerope_leak: k > 1 gives leaky ReRoPE: ``d ≥ w`` is scored at ``w + (d − w) / k`` (Su uses k = 16).
             Only with ``rerope_window``.
+        rope_parameters: RoPE rescaling on the loaded model: transformers' own ``rope_parameters`` dict
+            (``{"rope_type": "yarn", "factor": 4.0}``; dynamic, linear, llama3, longrope), in place of the model's
+            (its ``rope_theta`` kept unless given); the model then equals the checkpoint loaded with them.
     """
 
     scale: ScaleName = field(
@@ -154,6 +183,14 @@ class AttnScaleConfig:
     rerope_leak: float | None = field(
         default=None,
         metadata=_option("leaky ReRoPE: distances >= W at W + (d - W) / K, K > 1", parse=float, metavar="K"),
+    )
+    rope_parameters: dict[str, Any] | None = field(
+        default=None,
+        metadata=_option(
+            "RoPE rescaling: transformers' rope_parameters, JSON or rope_type=yarn;factor=4",
+            parse=_rope_parameters,
+            metavar="PARAMS",
+        ),
     )
     version: int = field(default=1, repr=False)
 
@@ -238,6 +275,14 @@ class AttnScaleConfig:
             ):
                 raise ValueError(f"rerope_leak must be a finite float > 1 (Su uses 16), got {leak!r}.")
             object.__setattr__(self, "rerope_leak", float(leak))
+        rope = self.rope_parameters
+        if rope is not None and (
+            not isinstance(rope, dict) or not rope or not all(isinstance(key, str) for key in rope)
+        ):
+            raise ValueError(
+                "rope_parameters must be transformers' rope_parameters dict, e.g. {'rope_type': 'yarn', "
+                f"'factor': 4.0}}, got {rope!r}."
+            )
         if clip is not None and self.has_exit:
             raise ValueError(
                 "clipped_softmax cannot be combined with zero_kv / sink_logit: each lets a head attend to "
@@ -265,6 +310,7 @@ class AttnScaleConfig:
             and self.clipped_softmax is None
             and self.gate is None
             and self.rerope_window is None
+            and self.rope_parameters is None
         )
 
     @classmethod

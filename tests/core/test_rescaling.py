@@ -1,0 +1,114 @@
+"""RoPE rescaling on a loaded model (``rope_parameters``) against the checkpoint loaded with those parameters by
+transformers itself, alone and with logn and ReRoPE; unpatch, re-patching and save/reload."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import SHARP_VOCAB, sharp_model
+from reference import make_reference
+from transformers import AutoModelForCausalLM
+
+import hf_attnscale as hfa
+from hf_attnscale.core.install.families import attention_modules
+
+TRAINED = 16
+RESCALINGS = {
+    "yarn": {"rope_type": "yarn", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+    "longrope": {
+        "rope_type": "longrope",
+        "short_factor": [1.0, 1.5, 2.0, 2.5],
+        "long_factor": [2.0, 3.0, 4.0, 5.0],
+    },
+}
+
+
+def _ids(length=40):
+    return torch.randint(3, SHARP_VOCAB, (2, length), generator=torch.Generator().manual_seed(3))
+
+
+def _loaded_with(model, rope_parameters, folder):
+    """``model`` saved and loaded back by transformers with ``rope_parameters`` (and its own rope_theta)."""
+    model.save_pretrained(folder)
+    theta = model.config.rope_parameters["rope_theta"]
+    return AutoModelForCausalLM.from_pretrained(
+        folder, rope_parameters={**rope_parameters, "rope_theta": theta}
+    ).eval()
+
+
+@pytest.mark.parametrize("name", list(RESCALINGS))
+def test_equals_the_checkpoint_loaded_with_them(name, tmp_path):
+    model = sharp_model("llama", max_position_embeddings=TRAINED)
+    loaded = _loaded_with(model, RESCALINGS[name], tmp_path)
+    ids = _ids()
+    with torch.no_grad():
+        before = model(ids).logits
+        hfa.patch(model, rope_parameters=RESCALINGS[name])
+        got, want = model(ids).logits, loaded(ids).logits
+        assert (got - before).abs().max() > 1e-3, "the rescaling changed nothing"
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        hfa.unpatch(model)
+        assert torch.equal(model(ids).logits, before)
+
+
+def test_composes_with_logn_and_rerope(tmp_path):
+    """NTK + logn (Qwen's recipe) and YaRN + ReRoPE: the loaded YaRN model with those patches, exactly."""
+    model = sharp_model("llama", max_position_embeddings=TRAINED)
+    loaded = _loaded_with(model, RESCALINGS["yarn"], tmp_path)
+    options = {"scale": "logn", "train_length": TRAINED, "rerope_window": 8}
+    hfa.patch(model, rope_parameters=RESCALINGS["yarn"], **options)
+    reference = copy.deepcopy(loaded)
+    make_reference(reference, {type(m).__name__ for m in attention_modules(reference)}, **options)
+    with torch.no_grad():
+        torch.testing.assert_close(model(_ids()).logits, reference(_ids()).logits, atol=1e-5, rtol=1e-5)
+        hfa.patch(loaded, **options)
+        torch.testing.assert_close(model(_ids()).logits, loaded(_ids()).logits, atol=1e-6, rtol=1e-6)
+
+
+def test_patching_again_replaces_it(tmp_path):
+    model = sharp_model("llama", max_position_embeddings=TRAINED)
+    loaded = _loaded_with(model, RESCALINGS["dynamic"], tmp_path)
+    hfa.patch(model, rope_parameters=RESCALINGS["yarn"])
+    hfa.patch(model, rope_parameters=RESCALINGS["dynamic"])  # from the model's own RoPE, not YaRN's
+    with torch.no_grad():
+        torch.testing.assert_close(model(_ids()).logits, loaded(_ids()).logits, atol=1e-6, rtol=1e-6)
+    hfa.patch(model, scale="logn", train_length=TRAINED)  # no rescaling: the model's own RoPE again
+    assert hfa.get_config(model).rope_parameters is None
+    rotary = model.model.rotary_emb
+    assert rotary.rope_type == "default" and not hasattr(rotary, "_hfa_original_rotary")
+
+
+def test_survives_save_and_reload(tmp_path):
+    model = hfa.patch(
+        sharp_model("llama", max_position_embeddings=TRAINED), rope_parameters=RESCALINGS["yarn"]
+    )
+    model.save_pretrained(tmp_path)
+    reloaded = hfa.patch(AutoModelForCausalLM.from_pretrained(tmp_path).eval())
+    assert hfa.get_config(reloaded).rope_parameters == RESCALINGS["yarn"]
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(_ids()).logits, model(_ids()).logits, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("rope_parameters", "message"),
+    [
+        (
+            {"rope_type": "cubic", "factor": 2.0},
+            "unknown rope_type 'cubic'; transformers' are default, linear",
+        ),
+        ({"rope_type": "llama3", "factor": 4.0}, "rope_parameters"),  # no low/high_freq_factor
+        ("yarn", "rope_parameters must be transformers' rope_parameters dict"),
+    ],
+)
+def test_bad_parameters_are_one_line_and_leave_the_model(rope_parameters, message):
+    model = sharp_model("llama", max_position_embeddings=TRAINED)
+    rotary = model.model.rotary_emb
+    with pytest.raises(ValueError, match=message) as error:
+        hfa.patch(model, rope_parameters=rope_parameters)
+    assert "\n" not in str(error.value)
+    assert model.model.rotary_emb is rotary and hfa.get_config(model) is None
