@@ -160,6 +160,31 @@ def test_patched_logits_equal_the_reference(loaded, name, feature, attn):
     assert moved > 1000 * atol, f"the patch moves the output by only {moved:.2e}"
 
 
+RERoPE = {
+    "rerope+logn": {"rerope_window": 6, "scale": "logn", "train_length": 8},
+    "leaky": {"rerope_window": 6, "rerope_leak": 4.0},
+}
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("option", list(RERoPE))
+@pytest.mark.parametrize("name", DECODERS)
+def test_rerope_equals_the_reference(loaded, name, option, attn):
+    """ReRoPE on the real weights against the reference that rotates raw q and k pair by pair (its own twin:
+    the reference replaces the model's rotary embedding by the identity)."""
+    case = loaded[name]
+    reference = copy.deepcopy(case.model)
+    make_reference(reference, {type(m).__name__ for m in attention_modules(reference)}, **RERoPE[option])
+    want = output(reference, case.inputs)[case.rows]
+    del reference
+    case.model.set_attn_implementation(attn)
+    with hfa.patched(case.model, hfa.AttnScaleConfig(**RERoPE[option])):
+        got = output(case.model, case.inputs)[case.rows]
+    torch.testing.assert_close(got, want, atol=LOGIT_ATOL, rtol=0)
+    moved = (got - case.plain[case.rows]).abs().max().item()
+    assert moved > 100 * LOGIT_ATOL, f"ReRoPE moves the output by only {moved:.2e}"
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Streaming and generate on the decoders
 
