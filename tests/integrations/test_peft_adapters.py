@@ -130,6 +130,24 @@ def test_lora_trains_every_family(model_type):
     assert len(lora) == 2 * PROJECTIONS[model_type] * (1 if model_type == "albert" else 2)
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_lora_trains_through_rerope(attn, tmp_path):
+    """A LoRA fine-tune through ReRoPE with a learnable sink (each query chunk's doubled channels are plain
+    attention, so every gradient reaches its weights), saved and loaded back onto a fresh patched base."""
+    options = {"rerope_window": 4, "rerope_leak": 4.0, "sink_logit": "learnable"}
+    model = peft_model("llama", options, attn)
+    before = patch_params(model)
+    inputs = batch("llama")
+    losses = train(model, inputs, steps=10)
+    assert losses[-1] < losses[0] - 0.08, losses
+    after = patch_params(model)
+    assert after and all(not torch.equal(before[name], after[name]) for name in after)
+    model.save_pretrained(tmp_path / "adapter")
+    reloaded = hfa.load_adapter(lm_model("llama", attn), tmp_path / "adapter")
+    assert hfa.get_config(reloaded).rerope_window == 4
+    torch.testing.assert_close(logits(reloaded, inputs), logits(model, inputs), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_lora_config_targets_the_attention_projections(model_type):
     model = lm_model(model_type)
