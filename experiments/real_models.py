@@ -18,6 +18,8 @@ Sections (`real/`):
   finetune   an exit fine-tuned into SmolLM2 with LoRA (learnable sink, zero_kv, neither): does it replace sinks?
   recall     lm-eval past the trained length: perplexity by position and passkey retrieval, 8 methods;
   retrofit   Bondarenko et al.'s Table 2 as a retrofit: every cure (exits, clipped softmax, gates) fine-tuned in
+  rerope     ReRoPE with logn (Su's recipe) against YaRN and dynamic NTK: perplexity by position, passkeys on
+             three seeds, time and peak memory per cell
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from real import dense, finetune, million, outliers, recall, retrofit, streams
+from real import dense, finetune, million, outliers, recall, rerope, retrofit, streams
 from real.context import TRAINED_LENGTH, Context
 from real.texts import TEXTS
 
@@ -44,6 +46,7 @@ SECTIONS: dict[str, Callable[[Context], str]] = {
     "finetune": finetune.run,
     "retrofit": retrofit.run,
     "recall": recall.run,
+    "rerope": rerope.run,
 }
 
 

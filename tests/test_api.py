@@ -99,6 +99,9 @@ def test_config_is_saved_in_model_config():
         "beta": None,
         "clipped_softmax": None,
         "gate": None,
+        "rerope_window": None,
+        "rerope_leak": None,
+        "rope_parameters": None,
         "version": 1,
     }
     assert hfa.AttnScaleConfig.from_dict(saved) == hfa.get_config(model)

@@ -1,0 +1,172 @@
+"""Section 10: ReRoPE with log-n (Su's own recipe) against RoPE rescaling past the trained length (issue 55).
+
+SmolLM2 (trained at 8,192 tokens) runs through lm-eval's ``simple_evaluate`` with the ``hf-attnscale`` model type,
+on section 9's tasks: perplexity by position over Genesis' first 32,768 tokens (``hfa_kjv_books``), and the
+passkeys ``hfa_passkey_4k`` ... ``_32k`` at depths 0, 50% and 100%, one prompt per depth for each of the seeds
+0, 1, 2 (three prompts per cell). Methods: ReRoPE with w = 1024 and 2048, each with and without logn; leaky
+ReRoPE (w = 1024, k = 16) with logn, as Su's patch; and section 9's unchanged model, dynamic NTK, YaRN and
+YaRN + logn (factor 4), rerun on the same seeds. Every cell runs in a fresh process, which reports its time and
+its peak resident memory.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import json
+import math
+import multiprocessing
+import resource
+import time
+from pathlib import Path
+
+import torch
+from sections.figures import figure, save
+from sections.tables import markdown
+
+import hf_attnscale as hfa
+
+from .context import SHORT_NAME, TRAINED_LENGTH, Context
+from .dense import rope_settings
+from .recall import BUCKETS, DEPTHS, DOCUMENT_TOKENS, MODEL, PASSKEY_TASKS, evaluate
+
+SEEDS = (0, 1, 2)
+
+
+def methods() -> dict[str, dict]:
+    """Each method's model_args beyond the common ones."""
+    rope = rope_settings(MODEL)
+    logn = {"scale": "logn", "train_length": TRAINED_LENGTH[MODEL]}
+    return {
+        "unpatched": {},
+        "dynamic NTK": {"rope_parameters": rope["dynamic NTK"]},
+        "YaRN": {"rope_parameters": rope["YaRN"]},
+        "YaRN + logn": {"rope_parameters": rope["YaRN"], **logn},
+        "ReRoPE w1024": {"rerope_window": 1024},
+        "ReRoPE w1024 + logn": {"rerope_window": 1024, **logn},
+        "ReRoPE w2048": {"rerope_window": 2048},
+        "ReRoPE w2048 + logn": {"rerope_window": 2048, **logn},
+        "leaky ReRoPE w1024 k16 + logn": {"rerope_window": 1024, "rerope_leak": 16.0, **logn},
+    }
+
+
+def measured(task: str, model_args: dict, metadata: dict, limit: int | None, threads: int) -> dict:
+    """`evaluate` in this (fresh) process, with its wall time and the process's peak resident memory."""
+    torch.set_num_threads(threads)
+    started = time.perf_counter()
+    results = evaluate(task, model_args, metadata, limit)
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {**results, "seconds": time.perf_counter() - started, "peak_gib": peak_kib / 2**20}
+
+
+def in_fresh_process(*args) -> dict:
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        return pool.submit(measured, *args).result()
+
+
+def run(context: Context) -> str:
+    """Every (method, task, seed) cell, the cheapest first and the perplexity before the long passkeys; the
+    tables and the figure."""
+    path = str(hfa.fetch(MODEL))
+    passkeys = dict(list(PASSKEY_TASKS.items())[:1]) if context.quick else PASSKEY_TASKS
+    depths = DEPTHS[-1:] if context.quick else DEPTHS
+    seeds = SEEDS[:1] if context.quick else SEEDS
+    document_tokens = 1024 if context.quick else DOCUMENT_TOKENS
+    common = {"pretrained": path, "dtype": "float32", "max_length": 2 * DOCUMENT_TOKENS}
+    jobs = [(task, None, seed) for task in list(passkeys.values())[:2] for seed in seeds]
+    jobs += [("hfa_kjv_books", 1, 0)]
+    jobs += [(task, None, seed) for task in list(passkeys.values())[2:] for seed in seeds]
+    table: dict[str, dict] = {label: {} for label in methods()}
+    for task, limit, seed in jobs:
+        metadata = {"pretrained": path, "per_cell": 1, "seed": seed, "depths": list(depths)}
+        if task == "hfa_kjv_books":
+            metadata = {"pretrained": path, "first_tokens": document_tokens}
+        for label, args in methods().items():
+            key = f"rerope/{MODEL}/{task}/{label}/seed{seed}/{document_tokens}" + (
+                "/quick" if context.quick else ""
+            )
+            table[label][(task, seed)] = context.cells.get(
+                key,
+                functools.partial(
+                    in_fresh_process, task, {**common, **args}, metadata, limit, torch.get_num_threads()
+                ),
+            )
+    return report(table, passkeys, depths, seeds, document_tokens, context.out)
+
+
+def report(table, passkeys, depths, seeds, document_tokens, out: Path) -> str:
+    """The three tables (perplexity by position, passkeys, cost) and the figure, from the cells."""
+    flat = {
+        label: {f"{task}/seed{seed}": v for (task, seed), v in cells.items()}
+        for label, cells in table.items()
+    }
+    (out / "rerope.json").write_text(json.dumps(flat, indent=1, default=str))
+    trained = TRAINED_LENGTH[MODEL]
+    ppl_rows, key_rows, cost_rows = [], [], []
+    for label, cells in table.items():
+        ppl = cells.get(("hfa_kjv_books", 0), {})
+        ppl_rows.append([label, *[f"{ppl.get(f'ppl_{b},none', math.nan):.2f}" for b in BUCKETS]])
+        found = []
+        for task in passkeys.values():
+            runs = [cells[(task, s)] for s in seeds if (task, s) in cells]
+            if not runs:
+                found.append("not run")
+                continue
+            keys = sum(r["acc,none"] * len(depths) for r in runs)
+            loglik = sum(r["key_loglikelihood,none"] for r in runs) / len(runs)
+            found.append(f"{keys:.0f}/{len(depths) * len(runs)} ({loglik:.2f})")
+        key_rows.append([label, *found])
+        cost = []
+        for task in [*passkeys.values(), "hfa_kjv_books"]:
+            runs = [cells[(task, s)] for s in seeds if (task, s) in cells]
+            cost.append(
+                f"{sum(r['seconds'] for r in runs) / len(runs):.0f} s, {max(r['peak_gib'] for r in runs):.1f} GiB"
+                if runs
+                else "not run"
+            )
+        cost_rows.append([label, *cost])
+    plot(table, passkeys, depths, seeds, out / "rerope.png")
+    lengths = [f"{n // 1024}k ({n / trained:g}x)" for n in passkeys]
+    return (
+        f"**{SHORT_NAME[MODEL]}** (trained at {trained}): perplexity by position over Genesis' first "
+        f"{document_tokens} tokens (`hfa_kjv_books`, one document)\n\n"
+        + markdown(["method", *[f"positions {b}" for b in BUCKETS]], ppl_rows)
+        + f"\n\nPasskeys found (greedy: every key token the argmax) of the prompts run: {len(depths)} depths "
+        f"({', '.join(f'{d:.0%}' for d in depths)}) x seeds {', '.join(map(str, seeds))}; the key's mean "
+        "log-likelihood in brackets (`hfa_passkey_*`)\n\n"
+        + markdown(["method", *lengths], key_rows)
+        + "\n\nTime per prompt set (mean over seeds) and peak resident memory of the process that ran it\n\n"
+        + markdown(["method", *lengths, "Genesis 32k"], cost_rows)
+    )
+
+
+def plot(table, passkeys, depths, seeds, path: Path) -> None:
+    """Left: perplexity by position (log scale); right: passkeys found of those run, by haystack length."""
+    fig, (left, right) = figure(2, width=5.2, height=3.6)
+    centres = [1, 3, 6, 12, 24]  # k tokens: the middle of each bucket
+    for label, cells in table.items():
+        ppl = cells.get(("hfa_kjv_books", 0))
+        style = "-" if "ReRoPE" in label else "--"
+        if ppl:
+            left.plot(
+                centres, [ppl.get(f"ppl_{b},none", math.nan) for b in BUCKETS], style, marker="o", label=label
+            )
+        rates = []
+        for task in passkeys.values():
+            runs = [cells[(task, s)] for s in seeds if (task, s) in cells]
+            rates.append(sum(r["acc,none"] for r in runs) / len(runs) if runs else math.nan)
+        right.plot([n // 1024 for n in passkeys], rates, style, marker="o", label=label)
+    for ax in (left, right):
+        ax.axvline(TRAINED_LENGTH[MODEL] / 1024, color="black", lw=1, ls=":")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("position / haystack (k tokens; dotted: trained 8k)")
+    left.set_yscale("log")
+    left.set_ylabel("perplexity (Genesis, by position)")
+    right.set_ylabel("share of passkeys found (missing points: not run)")
+    right.set_ylim(-0.05, 1.05)
+    left.legend(fontsize=6)
+    fig.suptitle(
+        f"{SHORT_NAME[MODEL]}: ReRoPE (+ logn) against RoPE rescaling past the trained length", fontsize=10
+    )
+    save(fig, path)
