@@ -74,21 +74,23 @@ def rerope_attention(
     past, window = k_len - q_len, call.window
     device = query.device
     positions = torch.arange(k_len, device=device)[None]
+    lowest = max(0, past - window + 1)  # no key before it is near to any query of this call
     if past == 0 and call.own[0].shape[-2] == k_len:
         near_cos_sin = call.own  # the model's own, for its prefill
     else:
-        near_cos_sin = call.frequencies.cos_sin(positions, dtype)
-    near_q = rotate(call.rope, query, tuple(t[:, past:] for t in near_cos_sin))
-    near_k = rotate(call.rope, key, near_cos_sin)
-    if call.leak is None:
-        far_q = rotate(
-            call.rope, query, call.frequencies.cos_sin(torch.full_like(positions[:, :1], window), dtype)
-        )
-        far_k = rotate(call.rope, key, call.frequencies.cos_sin(positions[:, :1] * 0, dtype))
-    else:
+        near_cos_sin = call.frequencies.cos_sin(positions[:, lowest:], dtype)
+    near_q = rotate(call.rope, query, tuple(t[:, past - lowest :] for t in near_cos_sin))
+    near_k = rotate(call.rope, key[:, :, lowest:], near_cos_sin)
+    if call.leak is not None:
         shifted = positions[:, past:] + window * (call.leak - 1)
         far_q = rotate(call.rope, query, call.frequencies.cos_sin(shifted, dtype, call.leak))
         far_k = rotate(call.rope, key, call.frequencies.cos_sin(positions, dtype, call.leak))
+    else:
+        far_q = rotate(call.rope, query, call.frequencies.cos_sin(positions[:, :1] * 0 + window, dtype))
+        unscaled = call.frequencies.scaling == 1.0
+        far_k = (
+            key if unscaled else rotate(call.rope, key, call.frequencies.cos_sin(positions[:, :1] * 0, dtype))
+        )
     dim = query.shape[-1]
     rows = max(1, MASK_CHUNK // (k_len + window))
     outs = []
@@ -104,7 +106,7 @@ def rerope_attention(
         far_mask = visible[..., :far_end] & (q_pos - far_keys >= window)
         near_mask = visible[..., near_start:] & (q_pos - near_keys < window)
         keys = torch.cat(
-            [F.pad(far_k[:, :, :far_end], (dim, 0)), F.pad(near_k[:, :, near_start:], (0, dim))], 2
+            [F.pad(far_k[:, :, :far_end], (dim, 0)), F.pad(near_k[:, :, near_start - lowest :], (0, dim))], 2
         )
         values = torch.cat([value[:, :, :far_end], value[:, :, near_start:]], dim=2)
         queries = torch.cat([near_q[:, :, start:stop], far_q[:, :, start:stop]], dim=-1)

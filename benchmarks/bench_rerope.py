@@ -1,0 +1,119 @@
+"""ReRoPE's cost on the real SmolLM2-135M (issue 55): one forward over ``--tokens`` tokens and a decode step after
+it, patched with ReRoPE (+ logn) against the unpatched model, each variant in a fresh process, interleaved,
+medians of ``--repeats`` runs:
+
+    python benchmarks/bench_rerope.py --tokens 16384 --repeats 3
+
+Per process: the model is loaded (float32, sdpa), ``--tokens`` tokens of held-out stdlib text go through one
+forward with the model's own ``DynamicCache`` (``logits_to_keep=1``: the vocabulary's logits are not what is
+measured), then ``--steps`` greedy decode steps through that cache. Time is wall time; memory is the process's
+peak resident set during the forward (Linux's VmHWM, reset just before it), less its resident set before it. Threads: ``--threads`` (default 1).
+A smoke run: ``--tokens 256 --window 64 --steps 2 --repeats 1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+VARIANTS = {
+    "unpatched": {},
+    "ReRoPE": {"rerope_window": 1024},
+    "ReRoPE + logn": {"rerope_window": 1024, "scale": "logn", "train_length": 8192},
+}
+
+
+def child(variant: str, tokens: int, window: int, steps: int, threads: int) -> dict:
+    """One measurement, in this fresh process."""
+    torch.set_num_threads(threads)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+    import hf_attnscale as hfa
+    from hf_attnscale.evaluation.corpus import builtin_documents
+
+    path = hfa.fetch("smollm2-135m")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    options = {k: (window if k == "rerope_window" else v) for k, v in VARIANTS[variant].items()}
+    if options:
+        hfa.patch(model, **options)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    text = "\n".join(doc.text for doc in builtin_documents("heldout"))
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :tokens]
+    assert ids.shape[1] == tokens, f"the held-out text has only {ids.shape[1]} tokens"
+    Path("/proc/self/clear_refs").write_text(
+        "5"
+    )  # Linux: the peak resident set (VmHWM) starts again from now
+    resident = _status_kib("VmRSS")
+    with torch.no_grad():
+        started = time.perf_counter()
+        out = model(input_ids=ids, past_key_values=DynamicCache(config=model.config), logits_to_keep=1)
+        forward = time.perf_counter() - started
+        peak = _status_kib("VmHWM")
+        cache, token, step_times = out.past_key_values, out.logits[:, -1:].argmax(-1), []
+        for _ in range(steps):
+            started = time.perf_counter()
+            out = model(input_ids=token, past_key_values=cache, logits_to_keep=1)
+            step_times.append(time.perf_counter() - started)
+            token = out.logits[:, -1:].argmax(-1)
+    return {
+        "forward_s": forward,
+        "decode_ms": 1000 * statistics.median(step_times),
+        "forward_peak_gib": (peak - resident) / 2**20,
+    }
+
+
+def _status_kib(field: str) -> int:
+    """A memory figure of this process from /proc/self/status, in KiB."""
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field))
+    return int(line.split()[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.tokens, args.window, args.steps, args.threads)))
+        return
+    runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
+    for repeat in range(args.repeats):
+        for name in VARIANTS:  # interleaved: each repeat runs every variant once, in a fresh process
+            command = [sys.executable, __file__, "--child", name]
+            command += [f"--{k}={getattr(args, k)}" for k in ("tokens", "window", "steps", "threads")]
+            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"repeat {repeat + 1}/{args.repeats} {name}: {runs[name][-1]}", file=sys.stderr, flush=True)
+    median = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
+    base = median["unpatched"]
+    print(
+        f"SmolLM2-135M, {args.tokens} tokens of held-out stdlib text, ReRoPE w={args.window}, float32, sdpa, "
+        f"{args.threads} thread(s), {platform.processor() or platform.machine()}; medians of {args.repeats} "
+        "interleaved fresh-process runs\n"
+    )
+    print(
+        "| variant | forward (s) | x unpatched | forward peak (GiB) | x unpatched | decode step (ms) | x unpatched |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for name, m in median.items():
+        print(
+            f"| {name} | {m['forward_s']:.1f} | {m['forward_s'] / base['forward_s']:.2f} | "
+            f"{m['forward_peak_gib']:.2f} | {m['forward_peak_gib'] / base['forward_peak_gib']:.2f} | "
+            f"{m['decode_ms']:.1f} | {m['decode_ms'] / base['decode_ms']:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
