@@ -26,7 +26,6 @@ import torch
 
 VARIANTS = {
     "unpatched": {},
-    "ReRoPE": {"rerope_window": 1024},
     "ReRoPE + logn": {"rerope_window": 1024, "scale": "logn", "train_length": 8192},
 }
 

@@ -6,6 +6,8 @@ BlockMask, or none (sdpa's ``is_causal``; causal prefill aligned top-left by sdp
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -26,10 +28,9 @@ def visible_key_counts(
     conventions: sdpa and eager align a causal prefill top-left, flash aligns bottom-right (queries are the
     last ``Tq`` keys).
     """
-    if mask is not None and not isinstance(mask, torch.Tensor):
-        mask = _dense_block_mask(mask, q_len, k_len)
-    if mask is not None and mask.dim() == 4:
-        return visible_entries(mask).sum(-1, dtype=torch.float32)
+    dense, mask = _dense(q_len, k_len, mask)
+    if dense is not None:
+        return dense.sum(-1, dtype=torch.float32)
     lo, hi = _visible_range(q_len, k_len, mask, causal, sliding_window, bottom_right, device)
     if mask is None:
         return (hi - lo).float().view(1, 1, q_len)
@@ -49,14 +50,23 @@ def visible_keys(
     device: torch.device | None = None,
 ) -> torch.Tensor:
     """Which keys each query row sees, bool ``(B or 1, 1 or H, Tq, Tk)``: `visible_key_counts` before the sum."""
-    if mask is not None and not isinstance(mask, torch.Tensor):
-        mask = _dense_block_mask(mask, q_len, k_len)
-    if mask is not None and mask.dim() == 4:
-        return visible_entries(mask)[..., :k_len]
+    dense, mask = _dense(q_len, k_len, mask)
+    if dense is not None:
+        return dense
     lo, hi = _visible_range(q_len, k_len, mask, causal, sliding_window, bottom_right, device)
     keys = torch.arange(k_len, device=lo.device)
     visible = ((keys >= lo[:, None]) & (keys < hi[:, None])).view(1, 1, q_len, k_len)
     return visible if mask is None else visible & mask.bool()[:, None, None, :]
+
+
+def _dense(q_len: int, k_len: int, mask: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(which keys each query sees, None)`` where the backend got a 4D mask or a flex BlockMask, bool
+    ``(B|1, 1|H, Tq, Tk)``; else ``(None, mask)``: no mask, or a 2D padding mask, read by key ranges."""
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        mask = _dense_block_mask(mask, q_len, k_len)
+    if mask is not None and mask.dim() == 4:
+        return visible_entries(mask)[..., :k_len], None
+    return None, mask
 
 
 def visible_entries(mask: torch.Tensor) -> torch.Tensor:

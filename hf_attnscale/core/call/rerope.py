@@ -91,8 +91,10 @@ def rerope_attention(
         far_k = (
             key if unscaled else rotate(call.rope, key, call.frequencies.cos_sin(positions[:, :1] * 0, dtype))
         )
-    dim = query.shape[-1]
-    rows = max(1, MASK_CHUNK // (k_len + window))
+    dim, dim_v = query.shape[-1], value.shape[-1]
+    # Queries per chunk: at most a window's (a chunk's keys past the causal edge are its own, so the work stays
+    # within a window's worth of dense causal attention) and a mask of at most MASK_CHUNK entries.
+    rows = max(1, min(window, MASK_CHUNK // (k_len + window)))
     outs = []
     for start in range(0, q_len, rows):
         stop = min(q_len, start + rows)
@@ -102,21 +104,29 @@ def rerope_attention(
         q_pos = torch.arange(first, last + 1, device=device)[:, None]
         visible = _visible(mask, start, stop, k_len, q_pos, sliding_window, device)
         far_keys = torch.arange(far_end, device=device)
-        near_keys = torch.arange(near_start, k_len, device=device)
+        near_end = last + 1  # causal: no later key is seen
+        near_keys = torch.arange(near_start, near_end, device=device)
         far_mask = visible[..., :far_end] & (q_pos - far_keys >= window)
-        near_mask = visible[..., near_start:] & (q_pos - near_keys < window)
+        near_mask = visible[..., near_start:near_end] & (q_pos - near_keys < window)
         keys = torch.cat(
-            [F.pad(far_k[:, :, :far_end], (dim, 0)), F.pad(near_k[:, :, near_start - lowest :], (0, dim))], 2
+            [
+                F.pad(far_k[:, :, :far_end], (dim, 0)),
+                F.pad(near_k[:, :, near_start - lowest : near_end - lowest], (0, dim)),
+            ],
+            2,
         )
-        values = torch.cat([value[:, :, :far_end], value[:, :, near_start:]], dim=2)
+        # Values as wide as the keys (zeros beyond Dv): sdpa's fused CPU and GPU kernels take one head dim only.
+        values = F.pad(
+            torch.cat([value[:, :, :far_end], value[:, :, near_start:near_end]], dim=2), (0, 2 * dim - dim_v)
+        )
         queries = torch.cat([near_q[:, :, start:stop], far_q[:, :, start:stop]], dim=-1)
         shown = torch.cat([far_mask, near_mask], dim=-1)
         additive = torch.zeros(shown.shape, dtype=dtype, device=device).masked_fill_(
             ~shown, torch.finfo(dtype).min
         )
         out, _ = attend(queries, keys, values, additive)
-        outs.append(out)
-    return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+        outs.append(out[..., :dim_v])
+    return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0].contiguous()
 
 
 def _visible(mask, start, stop, k_len, q_pos, sliding_window, device) -> torch.Tensor:
