@@ -152,6 +152,19 @@ def test_generate_through_the_models_cache_equals_the_whole_forward(attn, option
     torch.testing.assert_close(torch.stack(out.logits, 1), whole[:, 5:-1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("option", ["rerope", "leaky"])
+def test_decoding_with_yarns_attention_scaling_and_no_mask(option):
+    """A decoding step turns the query to the window and the near keys only; under YaRN, whose attention scaling
+    rides on cos/sin, the far keys take it too. No attention mask: the step builds none."""
+    model = sharp_model("llama", max_position_embeddings=8, rope_parameters=ROPE_TYPES["yarn"])
+    hfa.patch(model, **OPTIONS[option])
+    ids = _inputs(batch=1, padded=False)["input_ids"][:, :6]
+    out = model.generate(input_ids=ids, max_new_tokens=12, **GREEDY)
+    with torch.no_grad():
+        whole = model(input_ids=out.sequences).logits
+    torch.testing.assert_close(torch.stack(out.logits, 1), whole[:, 5:-1], atol=1e-4, rtol=1e-4)
+
+
 def test_a_left_padded_batch_equals_each_prompt_alone():
     model = hfa.patch(sharp_model("qwen2"), **OPTIONS["leaky"])
     inputs = _inputs()

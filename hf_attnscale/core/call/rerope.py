@@ -74,6 +74,8 @@ def rerope_attention(
     past, window = k_len - q_len, call.window
     device = query.device
     positions = torch.arange(k_len, device=device)[None]
+    if q_len == 1:
+        return _decode(attend, call, query, key, value, mask, sliding_window, positions)
     lowest = max(0, past - window + 1)  # no key before it is near to any query of this call
     if past == 0 and call.own[0].shape[-2] == k_len:
         near_cos_sin = call.own  # the model's own, for its prefill
@@ -127,6 +129,42 @@ def rerope_attention(
         out, _ = attend(queries, keys, values, additive)
         outs.append(out[..., :dim_v])
     return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0].contiguous()
+
+
+def _decode(attend, call, query, key, value, mask, sliding_window, positions) -> torch.Tensor:
+    """One query (a decoding step, at position i = the cache's last), one backend call at the model's own head
+    dim, on the keys in their order, values untouched. The query is turned to the window, ``R(w) q``, so a far
+    key is scored as it is stored (``(R(w) q) · k``) and only the w near keys turn, by ``j − i + w``
+    (``(R(w) q) · (R(j − i + w) k) = (R(i) q) · (R(j) k)``). Leaky ReRoPE's far keys each turn by their own
+    distance (``R'(j − i − w(k − 1))``, against the query as it is)."""
+    k_len, dtype, window = key.shape[2], query.dtype, call.window
+    i = k_len - 1
+    far_end = max(0, i - window + 1)
+    at = call.frequencies.cos_sin
+    zero = positions[:, :1] * 0
+    if call.leak is None:
+        query = rotate(call.rope, query, at(zero + window, dtype))
+        near = rotate(call.rope, key[:, :, far_end:], at(positions[:, far_end:] - i + window, dtype))
+        far = key[:, :, :far_end]
+        if (
+            call.frequencies.scaling != 1.0
+        ):  # the attention scaling YaRN folds into cos/sin, on the far keys too
+            far = rotate(call.rope, far, at(zero, dtype))
+    else:
+        query = rotate(call.rope, query, at(zero, dtype))  # the attention scaling only
+        near = rotate(call.rope, key[:, :, far_end:], at(positions[:, far_end:] - i, dtype))
+        leaky = at(positions[:, :far_end] - i - window * (call.leak - 1), dtype, call.leak)
+        far = rotate(call.rope, key[:, :, :far_end], leaky)
+    keys = torch.cat([far, near], dim=2)
+    if mask is None and not sliding_window:
+        additive = None
+    else:
+        shown = _visible(mask, 0, 1, k_len, positions[:, -1:].view(1, 1), sliding_window, query.device)
+        additive = torch.zeros(shown.shape, dtype=dtype, device=query.device).masked_fill_(
+            ~shown, torch.finfo(dtype).min
+        )
+    out, _ = attend(query, keys, value, additive)
+    return out
 
 
 def _visible(mask, start, stop, k_len, q_pos, sliding_window, device) -> torch.Tensor:
