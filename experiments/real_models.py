@@ -62,11 +62,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="every section on short inputs, to test the code"
     )
+    parser.add_argument(
+        "--kept-only",
+        action="store_true",
+        help="tables and figures from the numbers kept so far, computing none (section rerope; a run in progress)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    context = Context(args.out, args.work, tuple(args.models), tuple(args.texts), args.quick)
+    context = Context(args.out, args.work, tuple(args.models), tuple(args.texts), args.quick, args.kept_only)
     for name in args.only or SECTIONS:
         started = time.perf_counter()
         print(f"## {name}", flush=True)

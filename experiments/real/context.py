@@ -30,6 +30,8 @@ class Context:
     texts: tuple[str, ...]
     quick: bool = False
     """Every section on short inputs (minutes in all), to check the code end to end; not for the results."""
+    kept_only: bool = False
+    """Tables and figures from the cells computed so far, computing none (section rerope)."""
 
     @property
     def stream_tokens(self) -> int:
