@@ -186,7 +186,9 @@ def test_core_rooms_import_downwards():
 def test_core_root_holds_only_its_rooms_and_compat():
     root_files = sorted(path.name for path in (PACKAGE / "core").glob("*.py"))
     assert len(root_files) <= CORE_ROOT_FILES_AT_MOST, root_files
-    assert sorted(p.name for p in (PACKAGE / "core").iterdir() if (p / "__init__.py").is_file()) == sorted(CORE_ROOMS)
+    assert sorted(p.name for p in (PACKAGE / "core").iterdir() if (p / "__init__.py").is_file()) == sorted(
+        CORE_ROOMS
+    )
 
 
 @pytest.mark.parametrize("layer", LAYERS)

@@ -1,5 +1,7 @@
 """``hf-attnscale compare``: the demo's comparison on any causal LM: unpatched, logn, window-only and
-sink+window streaming at each cache size, and re-computation.
+sink+window streaming at each cache size, and re-computation; past the trained length, YaRN and ReRoPE + logn
+too. Beside perplexity, recall: passkeys found at each length and depth, and the key's log-likelihood, for every
+variant but re-computation (a variant with low perplexity can still have forgotten what it read).
 
 Re-computation predicts each token from its last C tokens re-read from scratch (StreamingLLM's oracle
 baseline): a model call per token. On a long stream it is scored on an evenly spaced subsample of the tokens
@@ -19,6 +21,7 @@ from .options import (
     add_model_arguments,
     add_output_arguments,
     count_type,
+    depths_type,
     device,
     documents,
     length_marks,
@@ -41,6 +44,8 @@ CACHE = 256
 MULTIPLES = (1, 2, 4, 8)
 """The default lengths, as multiples of the smallest cache: minutes for a 135M model on two CPU cores."""
 DOCUMENTS = 2
+DEPTHS = (0.0, 0.5, 1.0)
+"""Where the passkey is stated, by default: first, middle, last."""
 RECOMPUTE_EVERY = 32
 FEW_TOKENS = 200
 """Re-computation scoring fewer tokens than this gets a warning that its estimate is noisy."""
@@ -87,6 +92,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=DOCUMENTS,
         help=f"held-out documents to evaluate (default {DOCUMENTS}; more is slower and steadier)",
     )
+    recall = parser.add_argument_group("recall (a passkey prompt per length and depth, for each variant)")
+    recall.add_argument(
+        "--passkey-depths",
+        type=depths_type,
+        default=DEPTHS,
+        metavar="D,...",
+        help="where the key is stated, fractions of the haystack (default 0,0.5,1)",
+    )
+    recall.add_argument("--no-passkeys", action="store_true", help="leave recall out")
     recompute = parser.add_argument_group("re-computation (a model call per scored token: slow)")
     recompute.add_argument(
         "--recompute-every",
@@ -127,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         )
     lengths = args.lengths or [min(caches) * m for m in MULTIPLES]
     variants = comparison_variants(caches, args.sink_tokens, train_length, max(lengths))
+    variants, refused = applicable(model, variants)
     # The trained length is marked (and lengths labelled as multiples of it) only where a length reaches it.
     shown_length = train_length if max(lengths) >= train_length else None
     texts = tokenized(tokenizer, docs)
@@ -147,10 +162,17 @@ def run(args: argparse.Namespace) -> int:
 
         logn = logn_variant(train_length)
         notes.append(f"logn left out: {unchanged_within(logn.config, max(lengths))}.")
+    notes += refused
     if args.no_recompute:
         notes.append("re-computation left out (--no-recompute).")
     else:
         notes.append(add_recompute(args, model, texts, result, caches, printer))
+    passkeys = None
+    if args.no_passkeys:
+        notes.append("recall left out (--no-passkeys).")
+    else:
+        passkeys, note = recall(args, model, tokenizer, variants, sorted(set(lengths)), shown_length)
+        notes.append(note)
     print("\n" + "\n".join(f"note: {note}" for note in notes), flush=True)
     marks = length_marks(args, model)  # the config's trained length first, then a --train-length that differs
     return write_results(
@@ -165,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
         caches=caches,
         sink_tokens=args.sink_tokens,
         recompute_every=None if args.no_recompute else args.recompute_every,
+        passkeys=passkeys,
         notes=notes,
         title=f"{name} (trained at {marks[0].length} tokens): {args.data}",
     )
@@ -174,17 +197,115 @@ def comparison_variants(
     caches: Sequence[int], sink_tokens: int, train_length: int, longest: int
 ) -> list[Variant]:
     """unpatched; logn where it changes something at ``longest`` (past ``train_length``: within it, logn is 1,
-    `unchanged_within`); then window-only and sink+window streaming with each cache (of ``cache`` tokens,
-    ``sink_tokens`` of them sinks)."""
-    from hf_attnscale.evaluation.variants import Variant, unchanged_within
+    `unchanged_within`); past ``train_length``, YaRN (factor ``longest / train_length``) and ReRoPE + logn
+    (window ``train_length / 4``), the methods that recall there; then window-only and sink+window streaming with
+    each cache (of ``cache`` tokens, ``sink_tokens`` of them sinks)."""
+    from hf_attnscale.evaluation.variants import Variant, rerope_variant, unchanged_within
 
     variants = [Variant("unpatched")]
     logn = logn_variant(train_length)
     if unchanged_within(logn.config, longest) is None:
         variants.append(logn)
+    if longest > train_length:
+        factor = longest / train_length
+        yarn = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": train_length}
+        variants += [
+            Variant(f"YaRN (x{factor:g})", patch={"rope_parameters": yarn}),
+            rerope_variant(train_length),
+        ]
     for cache in caches:
         variants += [Variant.streamed(cache, 0), Variant.streamed(cache, sink_tokens)]
     return variants
+
+
+def applicable(model: nn.Module, variants: Sequence[Variant]) -> tuple[list[Variant], list[str]]:
+    """The variants ``model`` can run, and a note on each it refuses (a model without RoPE refuses YaRN)."""
+    kept, notes = [], []
+    for variant in variants:
+        try:
+            with variant.applied(model):
+                pass
+        except ValueError as error:
+            notes.append(f"{variant.name} left out: {error}")
+            continue
+        kept.append(variant)
+    return kept, notes
+
+
+def recall(
+    args: argparse.Namespace,
+    model: nn.Module,
+    tokenizer: object,
+    variants: Sequence[Variant],
+    lengths: Sequence[int],
+    train_length: int | None,
+) -> tuple[dict[str, list[dict]], str]:
+    """Each variant on one passkey prompt per length and depth (seed 0): prints the table as rows finish,
+    draws passkeys.png; returns every prompt's result, by variant, and a note on what was run."""
+    from tqdm.auto import tqdm
+
+    from hf_attnscale.evaluation.figure import passkey_figure
+    from hf_attnscale.evaluation.lengths import length_label
+    from hf_attnscale.evaluation.passkey import passkey_prompts, passkey_recall
+
+    prompts, short = [], []
+    for length in lengths:
+        try:
+            prompts += passkey_prompts(tokenizer, [length], args.passkey_depths)
+        except ValueError:  # too short for the key and the question
+            short.append(length)
+    lengths = [n for n in lengths if n not in short]
+    if not lengths:
+        return {}, f"recall left out: every length is too short for a passkey prompt ({short[-1]} tokens)."
+    depths = ", ".join(f"{d:.0%}" for d in args.passkey_depths)
+    print(
+        f"\nPasskeys found (every key token the model's top choice) of {len(args.passkey_depths)} prompts per "
+        f"length (key at {depths} of the haystack), and the key's mean log-likelihood (a guess: about -11.5):\n\n"
+        f"| variant | {' | '.join(length_label(n, train_length) for n in lengths)} |\n"
+        f"|---|{'---|' * len(lengths)}",
+        flush=True,
+    )
+    table, found = {}, {}
+    bar = tqdm(
+        total=len(variants) * len(prompts),
+        desc="passkeys",
+        unit="prompt",
+        disable=None if args.progress is None else not args.progress,
+    )
+    with bar:
+        for variant in variants:
+            with variant.applied(model):
+                results = []
+                for prompt in prompts:
+                    results.append(
+                        passkey_recall(model, tokenizer, prompt, variant.new_cache(), args.chunk_size)
+                    )
+                    bar.update()
+            table[variant.name] = [vars(r) for r in results]
+            cells, found[variant.name] = [], []
+            for length in lengths:
+                at = [r for r in results if r.length == length]
+                hits = sum(r.found for r in at)
+                found[variant.name].append((hits, len(at)))
+                cells.append(f"{hits}/{len(at)} ({sum(r.loglikelihood for r in at) / len(at):.1f})")
+            bar.write(f"| {variant.name} | {' | '.join(cells)} |")
+    within = [i for i, n in enumerate(lengths) if train_length is None or n <= train_length]
+    plain = found.get(variants[0].name) if variants else None
+    unable = bool(within) and plain is not None and not any(plain[i][0] for i in within)
+    figure = passkey_figure(lengths, found, train_length=train_length)
+    args.out.mkdir(parents=True, exist_ok=True)
+    figure.savefig(args.out / "passkeys.png")
+    note = (
+        f"recall: one passkey prompt per length and depth, seed 0; the figure is {args.out / 'passkeys.png'}"
+    )
+    if short:
+        note += f"; no prompt at {', '.join(map(str, short))} tokens (too short for the key and the question)"
+    if unable:
+        note += (
+            f"; {variants[0].name} finds no key even within the trained length, so this model cannot do the task "
+            "and recall tells nothing about the variants here"
+        )
+    return table, note + "."
 
 
 def logn_variant(train_length: int) -> Variant:

@@ -116,6 +116,19 @@ def length_type(text: str) -> int:
     return lengths[0]
 
 
+def depths_type(text: str) -> tuple[float, ...]:
+    """Passkey depths as an argparse ``type``: fractions of the haystack from 0 to 1, comma-separated."""
+    try:
+        depths = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected fractions from 0 to 1, e.g. 0,0.5,1; got {text!r}"
+        ) from None
+    if not depths or not all(0 <= d <= 1 for d in depths):
+        raise argparse.ArgumentTypeError(f"depths are fractions from 0 to 1, e.g. 0,0.5,1; got {text!r}")
+    return depths
+
+
 def count_type(minimum: int):
     """An argparse ``type``: an int of at least ``minimum`` (errors then name the user's own flag)."""
 

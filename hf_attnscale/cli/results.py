@@ -88,7 +88,8 @@ def row_printer(lengths: Sequence[int], train_length: int | None, measure: str) 
             what = "Perplexity" if measure == "perplexity" else "Pseudo-perplexity and MLM accuracy"
             header = table_header(lengths, train_length, has_accuracy(rows))
             print(
-                f"\n{what} by evaluation length, {rows[0].documents} documents ({DEFINITIONS[measure]}):"
+                f"\n{what} by evaluation length, {rows[0].documents} document{'' if rows[0].documents == 1 else 's'} "
+                f"({DEFINITIONS[measure]}):"
                 f"\n\n{header}",
                 flush=True,
             )

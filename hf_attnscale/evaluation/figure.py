@@ -266,3 +266,35 @@ def legend_covers_a_line(ax: Axes, legend: Legend) -> bool:
         if len(points) and PointPath(points).intersects_bbox(padded, filled=False):
             return True
     return False
+
+
+def passkey_figure(
+    lengths: Sequence[int],
+    found: Mapping[str, Sequence[tuple[int, int]]],
+    *,
+    train_length: int | None = None,
+    title: str | None = None,
+) -> Figure:
+    """Passkeys found, one row per variant and one column per length: each cell ``k/n`` (of the prompts run
+    there), coloured from red (none) to green (all); a dashed line after the trained length."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    names = list(found)
+    fig = Figure(figsize=(1.4 * len(lengths) + 3.2, 0.42 * len(names) + 1.4), dpi=120, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    share = np.array([[k / n if n else np.nan for k, n in found[name]] for name in names])
+    ax.imshow(share, cmap="RdYlGn", vmin=-0.4, vmax=1.4, aspect="auto")
+    for row, name in enumerate(names):
+        for column, (k, n) in enumerate(found[name]):
+            ax.text(column, row, f"{k}/{n}" if n else "not run", ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(lengths)), [length_label(n, train_length) for n in lengths])
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    if train_length is not None and any(n > train_length for n in lengths):
+        ax.axvline(sum(n <= train_length for n in lengths) - 0.5, color="black", lw=1, ls="--")
+    ax.set_xlabel("haystack length (tokens)" + (" (dashed: the trained length)" if train_length else ""))
+    ax.set_title(
+        title or "passkeys found (every key token the model's top choice), of the prompts run", fontsize=9
+    )
+    return fig

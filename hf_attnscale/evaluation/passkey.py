@@ -12,7 +12,12 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+from torch import nn
 from transformers import PreTrainedTokenizerBase
+
+from hf_attnscale.evaluation.perplexity import perplexity
+from hf_attnscale.streaming.cache import SinkCache
 
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
@@ -65,3 +70,32 @@ def passkey_prompts(
                 context = FILLER * before + NEEDLE.format(key=key) + FILLER * (units - before) + QUESTION
                 prompts.append(Passkey(context, key, length, depth))
     return prompts
+
+
+@dataclass(frozen=True)
+class Recall:
+    """How a model did on one `Passkey` prompt: ``found`` when every key token was its top choice (what greedy
+    decoding would write), and the key's log-likelihood (summed over its tokens; a guess of 5 digits is about
+    ``5·ln(1/10) = −11.5``)."""
+
+    length: int
+    depth: float
+    found: bool
+    loglikelihood: float
+
+
+def passkey_recall(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: Passkey,
+    cache: SinkCache | None = None,
+    chunk_size: int = 512,
+) -> Recall:
+    """Score ``prompt`` under ``model`` (read densely, or streamed through ``cache``, as `perplexity` reads): the
+    key's tokens after the context, each predicted from everything before it."""
+    context = tokenizer(prompt.context)["input_ids"]
+    key = tokenizer(" " + prompt.key, add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([context + key])
+    scored = perplexity(model, ids, cache, chunk_size=chunk_size, progress=False)
+    found = bool(scored.greedy[-len(key) :].all())
+    return Recall(prompt.length, prompt.depth, found, -scored.nll[-len(key) :].double().sum().item())

@@ -120,12 +120,23 @@ class Variant:
         }
 
 
+RERoPE_WINDOW_SHARE = 4
+"""ReRoPE's window in the comparisons: the trained length over this (Su: 1,024 for a model trained at 4,096)."""
+
+
+def rerope_variant(train_length: int) -> Variant:
+    """ReRoPE + logn, Su's recipe, with a window of a quarter of ``train_length``."""
+    window = max(1, train_length // RERoPE_WINDOW_SHARE)
+    patch = {"rerope_window": window, "scale": "logn", "train_length": train_length}
+    return Variant(f"ReRoPE + logn (w={window})", patch=patch)
+
+
 def demo_variants(
     train_length: int, sink_tokens: int = DEFAULT_SINK_TOKENS, bos: bool = False
 ) -> list[Variant]:
     """The variants of ``hf-attnscale demo`` for a model trained at ``train_length`` tokens (L below).
 
-    unpatched; logn (``max(1, log_L(n))``); window-only and sink+window streaming with a cache of L tokens,
+    unpatched; logn (``max(1, log_L(n))``); ReRoPE + logn (`rerope_variant`); window-only and sink+window streaming with a cache of L tokens,
     so no token ever sees a position the model was not trained on; and streaming+logn with a cache of 2L,
     next to sink+window with the same 2L cache so the two differ only by logn. (With a cache of at most L,
     the clamped logn factor is 1 everywhere and streaming+logn would equal sink+window exactly.) With ``bos``
@@ -138,6 +149,7 @@ def demo_variants(
     return [
         Variant("unpatched"),
         Variant("logn", patch=logn),
+        rerope_variant(train_length),
         Variant.streamed(capacity, 0),
         Variant.streamed(capacity, sink_tokens),
         wide,

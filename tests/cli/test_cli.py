@@ -179,10 +179,13 @@ def test_demo_runs_the_shipped_model(tmp_path, capsys):
     assert saved["train_length"] == 128 and saved["model"] == "builtin:tiny-llama-stdlib"
     # Segments are read behind BOS (L + 1 positions), so the caches hold one token more than L.
     assert saved["bos_id"] == 1 and [v["name"] for v in saved["variants"]][-1] == "streaming+logn (4+253)"
-    at_1x = [r["ppl"] for r in saved["rows"] if r["length"] == 128]
-    # At the trained length no variant changes anything: caches hold the segment and logn is clamped to 1.
+    rerope = {r["length"]: r["ppl"] for r in saved["rows"] if r["variant"].startswith("ReRoPE")}
+    at_1x = [r["ppl"] for r in saved["rows"] if r["length"] == 128 and not r["variant"].startswith("ReRoPE")]
+    # At the trained length no other variant changes anything: caches hold the segment and logn is clamped to 1.
     assert len(at_1x) == 6 and max(at_1x) == pytest.approx(min(at_1x), rel=1e-5)
     assert 10 < at_1x[0] < 500  # a trained model, not a random one (which would be near the vocab size)
+    # ReRoPE (w = 32) clamps distances inside the trained length too, which costs little there.
+    assert rerope[128] != pytest.approx(at_1x[0], rel=1e-5) and rerope[128] == pytest.approx(at_1x[0], rel=0.02)
     assert "| window-only (129) |" in out and (tmp_path / "ppl_vs_length.png").exists()
 
 
@@ -316,6 +319,8 @@ def test_compare_prints_and_writes_every_variant(model_dir, data_file, tmp_path,
     names = [
         "unpatched",
         "logn",
+        "YaRN (x4)",
+        "ReRoPE + logn (w=4)",
         "window-only (8)",
         "sink+window (4+4)",
         "window-only (16)",
@@ -324,7 +329,10 @@ def test_compare_prints_and_writes_every_variant(model_dir, data_file, tmp_path,
         "re-computation (16)",
     ]
     assert "| variant | 16 (1x) | 32 (2x) | 64 (4x) | tok/s |" in out
-    assert [line.split(" | ")[0][2:] for line in out.splitlines() if line.startswith("| ")][1:] == names
+    perplexity_table = out.split("Passkeys found")[0]
+    assert [line.split(" | ")[0][2:] for line in perplexity_table.splitlines() if line.startswith("| ")][
+        1:
+    ] == names
     assert "note: re-computation: each token predicted from the last C tokens" in out
     saved = json.loads((out_dir / "results.json").read_text())
     assert [v["name"] for v in saved["variants"]] == names
@@ -337,6 +345,39 @@ def test_compare_prints_and_writes_every_variant(model_dir, data_file, tmp_path,
     assert ppl[("re-computation (16)", 64)]["ppl"] != pytest.approx(ppl[("unpatched", 64)]["ppl"], rel=1e-3)
     assert ppl[("re-computation (8)", 16)]["tokens"] == ppl[("unpatched", 16)]["tokens"]
     assert (out_dir / "ppl_vs_length.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_compare_reports_recall_beside_perplexity(model_dir, data_file, tmp_path, capsys):
+    """Past the trained length: passkeys found by length and depth, with the key's log-likelihood, for every
+    variant but re-computation; a table, results.json and passkeys.png; a length too short for a prompt, and a
+    model that finds no key even within its trained length (this random one), each said in a note."""
+    out_dir = tmp_path / "recall"
+    code, out, err = run(
+        capsys,
+        *("compare", "--model", str(model_dir), "--data", str(data_file), "--caches", "64"),
+        *("--lengths", "64,256,512", "--train-length", "256", "--no-recompute", "--documents", "1"),
+        *("--passkey-depths", "0,1", "--device", "cpu", "--out", str(out_dir), "--no-progress"),
+    )
+    assert code == 0, err
+    assert "by evaluation length, 1 document (" in out
+    recall_table = out.split("Passkeys found")[1].split("\n\n")[1]
+    rows = [line.split(" | ")[0][2:] for line in recall_table.splitlines()[2:]]
+    assert rows == [
+        "unpatched",
+        "logn",
+        "YaRN (x2)",
+        "ReRoPE + logn (w=64)",
+        "window-only (64)",
+        "sink+window (4+60)",
+    ]
+    assert recall_table.startswith("| variant | 256 (1x) | 512 (2x) |")
+    assert "no prompt at 64 tokens (too short for the key and the question)" in out
+    assert "unpatched finds no key even within the trained length, so this model cannot do the task" in out
+    saved = json.loads((out_dir / "results.json").read_text())
+    first = saved["passkeys"]["unpatched"]
+    assert [(r["length"], r["depth"]) for r in first] == [(256, 0.0), (256, 1.0), (512, 0.0), (512, 1.0)]
+    assert all(isinstance(r["found"], bool) and r["loglikelihood"] < 0 for r in first)
+    assert (out_dir / "passkeys.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_compare_scores_re_computation_on_a_subsample_and_says_so(model_dir, data_file, tmp_path, capsys):

@@ -101,6 +101,7 @@ def test_variant_validation():
     assert names == [
         "unpatched",
         "logn",
+        "ReRoPE + logn (w=64)",
         "window-only (256)",
         "sink+window (4+252)",
         "sink+window (4+508)",
