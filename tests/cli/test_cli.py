@@ -185,7 +185,9 @@ def test_demo_runs_the_shipped_model(tmp_path, capsys):
     assert len(at_1x) == 6 and max(at_1x) == pytest.approx(min(at_1x), rel=1e-5)
     assert 10 < at_1x[0] < 500  # a trained model, not a random one (which would be near the vocab size)
     # ReRoPE (w = 32) clamps distances inside the trained length too, which costs little there.
-    assert rerope[128] != pytest.approx(at_1x[0], rel=1e-5) and rerope[128] == pytest.approx(at_1x[0], rel=0.02)
+    assert rerope[128] != pytest.approx(at_1x[0], rel=1e-5) and rerope[128] == pytest.approx(
+        at_1x[0], rel=0.02
+    )
     assert "| window-only (129) |" in out and (tmp_path / "ppl_vs_length.png").exists()
 
 

@@ -166,9 +166,16 @@ RERoPE = {
 }
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("option", list(RERoPE))
-@pytest.mark.parametrize("name", DECODERS)
+def _rerope_cases():
+    """SmolLM2 with ReRoPE + logn on sdpa in the default suite; the other seven cases under -m slow."""
+    for name in DECODERS:
+        for option in RERoPE:
+            for attn in ("eager", "sdpa"):
+                default = (name, option, attn) == ("smollm2-135m", "rerope+logn", "sdpa")
+                yield pytest.param(name, option, attn, marks=() if default else pytest.mark.slow)
+
+
+@pytest.mark.parametrize(("name", "option", "attn"), _rerope_cases())
 def test_rerope_equals_the_reference(loaded, name, option, attn):
     """ReRoPE on the real weights against the reference that rotates raw q and k pair by pair (its own twin:
     the reference replaces the model's rotary embedding by the identity)."""
