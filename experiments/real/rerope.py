@@ -155,7 +155,11 @@ def plot(table, passkeys, depths, seeds, path: Path) -> None:
         style = {"linestyle": "-" if "ReRoPE" in label else "--", "color": f"C{index}"}  # one colour a method
         if ppl:
             left.plot(
-                centres, [ppl.get(f"ppl_{b},none", math.nan) for b in BUCKETS], style, marker="o", label=label
+                centres,
+                [ppl.get(f"ppl_{b},none", math.nan) for b in BUCKETS],
+                **style,
+                marker="o",
+                label=label,
             )
         rates = []
         for task in passkeys.values():
