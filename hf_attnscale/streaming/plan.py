@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hf_attnscale.core.call.masks import additive_mask
 from hf_attnscale.core.call.rope import CosSin
 
 from .rope import RopeTable
@@ -176,7 +177,7 @@ def build_plan(
         visible = visible | torch.zeros_like(visible).scatter_(2, query_slot[:, :, None], padding)
     mask = None  # a decoding query that reads every slot needs none: the backend's fastest path
     if write_slot is None or not bool(visible.all()):
-        mask = torch.zeros_like(visible, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
+        mask = additive_mask(visible, dtype)[:, None]
     return StepPlan(
         geometry=geometry,
         after=SlotRecord(after_index, real_tokens, base, before.seen + q_len),

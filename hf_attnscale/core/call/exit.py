@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_attnscale.core.call.masks import additive_mask
+
 AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 """A transformers attention function: ``(module, q, k, v, mask, **kwargs) -> (output, weights or None)``."""
 ExitFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
@@ -139,7 +141,7 @@ def extra_key_attention(
         if causal and q_len > 1:
             body.masked_fill_(torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).triu(1), neg)
     elif mask.dtype == torch.bool:
-        body = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, neg)
+        body = additive_mask(mask, dtype)
     else:
         body = mask[..., :k_len].to(dtype)
     uniform = not exit_logits.requires_grad and bool((exit_logits == exit_logits[0]).all())

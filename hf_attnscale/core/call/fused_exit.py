@@ -34,6 +34,7 @@ from torch import nn
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from hf_attnscale.core.call.exit import AttentionFn, sdpa_exit_attention
+from hf_attnscale.core.call.masks import additive_mask
 
 ENV_SWITCH = "HF_ATTNSCALE_FUSED_EXIT"
 
@@ -139,9 +140,7 @@ def fused_exit_attention(
     if mask is not None:
         mask = mask[..., : key.shape[2]]
         if mask.dtype == torch.bool:  # the finite minimum, so a row with no visible key gets w = 0, never NaN
-            mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill_(
-                ~mask, torch.finfo(query.dtype).min
-            )
+            mask = additive_mask(mask, query.dtype)
         mask = mask.to(query.dtype)
     is_causal = bool(causal and mask is None and query.shape[2] > 1)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
@@ -225,10 +224,7 @@ def _check(combination: Combination, backend_fn, module, scaling) -> str | None:
         if per_query and q_len > 1:
             visible[..., -1, :] = False  # a row that sees nothing but the exit
         mask_type = getattr(torch, mask_dtype.removeprefix("torch."))
-        if mask_type != torch.bool:
-            mask = torch.zeros(shape, dtype=mask_type).masked_fill_(~visible, torch.finfo(mask_type).min)
-        else:
-            mask = visible
+        mask = visible if mask_type == torch.bool else additive_mask(visible, mask_type)
     stand_in = SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=causal, training=False)
     inputs = (query, key, value, exit_logits)
     try:

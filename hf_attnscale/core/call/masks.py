@@ -69,6 +69,13 @@ def _dense(q_len: int, k_len: int, mask: Any) -> tuple[torch.Tensor | None, torc
     return None, mask
 
 
+def additive_mask(shown: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as the additive one every backend takes: 0 where shown, the dtype's minimum elsewhere."""
+    return torch.zeros(shown.shape, dtype=dtype, device=shown.device).masked_fill_(
+        ~shown, torch.finfo(dtype).min
+    )
+
+
 def visible_entries(mask: torch.Tensor) -> torch.Tensor:
     """Which entries of a bool or additive mask are visible: an additive entry is masked at or below half its
     dtype's minimum (transformers masks with the minimum; adding a finite score keeps it below half)."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hf_attnscale.core.call.masks import visible_entries
+from hf_attnscale.core.call.masks import additive_mask, visible_entries
 from hf_attnscale.core.call.rope import CosSin, RopeFn, RotaryFrequencies, rotate
 
 ChunkFn = Callable[
@@ -123,9 +123,7 @@ def rerope_attention(
         )
         queries = torch.cat([near_q[:, :, start:stop], far_q[:, :, start:stop]], dim=-1)
         shown = torch.cat([far_mask, near_mask], dim=-1)
-        additive = torch.zeros(shown.shape, dtype=dtype, device=device).masked_fill_(
-            ~shown, torch.finfo(dtype).min
-        )
+        additive = additive_mask(shown, dtype)
         out, _ = attend(queries, keys, values, additive)
         outs.append(out[..., :dim_v])
     return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0].contiguous()
@@ -160,9 +158,7 @@ def _decode(attend, call, query, key, value, mask, sliding_window, positions) ->
         additive = None
     else:
         shown = _visible(mask, 0, 1, k_len, positions[:, -1:].view(1, 1), sliding_window, query.device)
-        additive = torch.zeros(shown.shape, dtype=dtype, device=query.device).masked_fill_(
-            ~shown, torch.finfo(dtype).min
-        )
+        additive = additive_mask(shown, dtype)
     out, _ = attend(query, keys, value, additive)
     return out
 

@@ -9,6 +9,7 @@ positions far past the trained length keep full precision.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ def rotary_output(
     return rotary(like, positions) if layer_type is None else rotary(like, positions, layer_type)
 
 
+@functools.cache  # built per layer and call under ReRoPE: reading the signature each time costs more than it
 def family_rotation(rope: Callable[..., Any], width: int) -> RopeFn:
     """The family's RoPE as ``(q, k, cos, sin)`` over the first ``width`` dims of each head, the rest passed
     through: Gemma-3n/4 rotate one tensor at a time, ``(x, cos, sin)``; Phi, Persimmon, StableLM and GPT-NeoX
