@@ -232,3 +232,19 @@ def test_unpatch_restores_the_model():
     hfa.unpatch(model)
     with torch.no_grad():
         assert torch.equal(model(**inputs).logits, plain(**inputs).logits)
+
+
+def test_torch_compile_takes_rerope_whole():
+    """No graph break in a ReRoPE forward or decoding step (torch._dynamo.explain counts them)."""
+    from transformers import DynamicCache
+
+    model = hfa.patch(sharp_model("llama"), **OPTIONS["rerope+logn"])
+    ids = _inputs(batch=1, padded=False)["input_ids"]
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(lambda x: model(x).logits)(ids).graph_break_count == 0
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(ids, past_key_values=cache)
+        torch._dynamo.reset()
+        step = torch._dynamo.explain(lambda x: model(x, past_key_values=cache).logits)(ids[:, :1])
+    assert step.graph_break_count == 0, [b.reason for b in step.break_reasons]

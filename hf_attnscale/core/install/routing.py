@@ -21,6 +21,7 @@ all at once, exactly; the streaming layer builds on it and only reads what it re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -99,7 +100,8 @@ def _rerope_forward(self: nn.Module, config: Any, position_embeddings: Any, **kw
         own=(cos, sin),
     )
     identity = (torch.ones_like(cos), torch.zeros_like(sin))
-    return forward_with_hooks(self, CallHooks(rerope=call), position_embeddings=identity, **kwargs)
+    hooks = CallHooks(rerope=call)
+    return forward_with_hooks(self, hooks, called_as_module=True, position_embeddings=identity, **kwargs)
 
 
 def applies_rope(module: nn.Module, probe: torch.Tensor, width: int, kwargs: dict[str, Any]) -> bool:
@@ -120,18 +122,21 @@ def rotary_of(module: nn.Module) -> Rotary | None:
     return module.__dict__.get(ROTARY_ATTR)
 
 
-def forward_with_hooks(module: nn.Module, hooks: CallHooks, **kwargs: Any):
+def forward_with_hooks(module: nn.Module, hooks: CallHooks, *, called_as_module: bool = False, **kwargs: Any):
     """``module``'s class forward, with ``hooks`` on the attention call it makes (a probe set around the whole
     model is kept).
 
     The hooks travel as the forward's keyword argument ``hfa_hooks``, which transformers passes on to the
     attention function; a forward that takes no arbitrary keywords gets them through the context instead.
+    ``called_as_module``: the module itself was called (its forward pre-hooks ran, the gate's among them), so its
+    gate already has this call's input. Under torch.compile no context variable is read (a graph runs no probe).
     """
-    ambient = ambient_hooks()
+    ambient = None if torch.compiler.is_compiling() else ambient_hooks()
     if ambient is not None and hooks.probe is None:
         hooks = dataclasses.replace(hooks, probe=ambient.probe)
     forward = type(module).forward
-    with gate_input(module, kwargs.get("hidden_states")):
+    given = contextlib.nullcontext() if called_as_module else gate_input(module, kwargs.get("hidden_states"))
+    with given:
         if _takes_any_keyword(forward):
             return forward(module, **kwargs, **{HOOKS_KWARG: hooks})
         with using_hooks(hooks):
