@@ -467,6 +467,15 @@ def _checkpoint_child(args) -> None:
         if held["sink_keys"] > SINKS + WINDOW:  # the check that the column named SinkCache is one
             raise RuntimeError(f"the SinkCache holds {held['sink_keys']} keys, more than {SINKS + WINDOW}")
         result |= held
+    elif args.part == "compiled":  # both caches at fixed shapes, their steps compiled by generate() itself
+        result = _compiled_decode(model, ids, args)
+    elif args.part == "segments":  # the stream's limit: the same tokens read as dense segments of its size
+        segment, seconds, nll = SINKS + WINDOW, 0.0, 0.0
+        for start in range(0, args.tokens, segment):
+            part = ids[start : min(start + segment, args.tokens) + 1]
+            out = hfa.perplexity(model, part, method="dense", chunk_size=segment, progress=False)
+            seconds, nll = seconds + out.seconds, nll + float(out.nll.sum())
+        result = {"seconds": seconds, "nll": nll / args.tokens}
     else:
         stream = args.part == "stream"
         options = {"cache": hfa.SinkCache(SINKS, WINDOW)} if stream else {"method": "dense"}
@@ -474,6 +483,41 @@ def _checkpoint_child(args) -> None:
         out = hfa.perplexity(model, ids[: args.tokens + 1], chunk_size=chunk, progress=False, **options)
         result = {"seconds": out.seconds, "nll": float(out.nll.mean())}
     print(json.dumps(result))
+
+
+def _compiled_decode(model, ids: torch.Tensor, args) -> dict:
+    """Per-token decode time with each cache's step compiled by generate() itself (inductor, fullgraph; asked
+    for on the CPU by compile_config): `SinkCache(4, 1020)` continuing a stream past ``--decode-at`` against a
+    `StaticCache` of 1,024 slots (as many as the SinkCache holds; a fresh one each round, its prompt leaving room
+    for the round's steps). Interleaved rounds; the first one, which compiles, is left out."""
+    from transformers import CompileConfig, StaticCache
+
+    config = CompileConfig(fullgraph=True, mode="default")
+    config._compile_all_devices = True  # transformers' switch for compiling generate's step on the CPU
+    size, gaps = SINKS + WINDOW, {"sink": [], "static": []}
+    sink = hfa.SinkCache(SINKS, WINDOW)
+    sequence = model.generate(ids[None, : args.decode_at - 1], past_key_values=sink, **_greedy(1))
+    for round_ in range(args.rounds + 1):
+        for name in gaps:
+            clock = _StepClock()
+            if name == "sink":
+                prompt, cache = sequence, sink
+            else:
+                prompt = ids[None, : size - args.steps - 2]
+                cache = StaticCache(config=model.config, max_cache_len=size)
+            out = model.generate(
+                prompt,
+                past_key_values=cache,
+                stopping_criteria=[clock],
+                compile_config=config,
+                **_greedy(args.steps + 1),
+            )
+            sequence = out if name == "sink" else sequence
+            if round_:
+                gaps[name] += [b - a for a, b in itertools.pairwise(clock.times)]
+    if sink.layers[0].keys.shape[-2] != size:
+        raise RuntimeError(f"the SinkCache holds {sink.layers[0].keys.shape[-2]} slots, not {size}")
+    return {f"{name}_compiled_ms": 1000 * statistics.median(gaps[name]) for name in gaps}
 
 
 def checkpoint(args) -> str:
@@ -511,10 +555,10 @@ def checkpoint(args) -> str:
 
         for _ in range(args.repeats):
             for label in codes:
-                for part in {"decode", "stream"} & set(args.parts):
+                for part in [p for p in ("decode", "compiled", "stream") if p in args.parts]:
                     child(label, part)
-            if "dense" in args.parts:
-                child(next(iter(codes)), "dense")  # the dense forward reads no streaming code
+            for part in [p for p in ("segments", "dense") if p in args.parts]:
+                child(next(iter(codes)), part)  # dense reads no streaming code
 
     def median(label: str, part: str, key: str) -> float:  # nan where the part was not run
         values = [r[key] for r in runs.get((label, part), [])]
@@ -547,6 +591,25 @@ def checkpoint(args) -> str:
         f"chunked stream **{medians[label]['stream'] / medians[first]['stream']:.3f}** (goal: within 5%)."
         for label in others
     ]
+    for label in codes:
+        compiled = runs.get((label, "compiled"), [])
+        if compiled:
+            ratios = [r["sink_compiled_ms"] / r["static_compiled_ms"] for r in compiled]
+            lines.append(
+                f"\n{label}: compiled decode ms/token (generate's own compile, inductor): SinkCache at "
+                f"{args.decode_at:,} {median(label, 'compiled', 'sink_compiled_ms'):.2f}, StaticCache of "
+                f"{SINKS + WINDOW:,} {median(label, 'compiled', 'static_compiled_ms'):.2f}: "
+                f"**{statistics.median(ratios):.3f}** (goal <= 1.05; each run's own: "
+                + ", ".join(f"{r:.3f}" for r in ratios)
+                + ")"
+            )
+        segments = median(first, "segments", "seconds")
+        if not math.isnan(segments):
+            lines.append(
+                f"\n{label}: the stream of {args.tokens:,} in chunks of {args.chunk_size} against the same tokens "
+                f"read as dense segments of {SINKS + WINDOW:,} ({segments:.1f} s): "
+                f"**{medians[label]['stream'] / segments:.3f}** (goal <= 1.3)"
+            )
     lines += ["", "Runs: " + "; ".join(f"{label} {part} {values}" for (label, part), values in runs.items())]
     return "\n".join(lines)
 
@@ -669,13 +732,16 @@ def main(argv: list[str] | None = None) -> None:
     sub.choices["checkpoint"].add_argument("--repeats", type=int, default=5)
     sub.choices["rotate-on-read"].add_argument("--rounds", type=int, default=5)
     sub.choices["checkpoint"].add_argument(
-        "--parts", nargs="+", choices=["decode", "stream", "dense"], default=["decode", "stream", "dense"]
+        "--parts",
+        nargs="+",
+        choices=["decode", "compiled", "stream", "segments", "dense"],
+        default=["decode", "stream", "dense"],
     )
     sub.choices["checkpoint"].add_argument(
         "--code", action="append", help="LABEL=FOLDER of a version's source (default: this checkout)"
     )
     sub.choices["_checkpoint_child"].add_argument(
-        "--part", choices=["decode", "stream", "dense"], required=True
+        "--part", choices=["decode", "compiled", "stream", "segments", "dense"], required=True
     )
     sub.choices["_checkpoint_child"].add_argument("--ids", required=True)
     args = parser.parse_args(argv)

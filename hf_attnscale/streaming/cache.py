@@ -11,11 +11,10 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from hf_attnscale.core.call.rope import CosSin, RopeFn, rotate
+from hf_attnscale.core.call.rope import RopeFn, rotate
 from hf_attnscale.core.options.validation import check_int
 
 from .plan import LayerGeometry, Rotations, SlotRecord, StepPlan
-from .rope import rotation_basis
 from .spec import UNPATCHED_MESSAGE, StreamSpec
 from .step import Call, attention_step
 
@@ -56,7 +55,6 @@ class SinkCacheLayer(CacheLayerMixin):
         self.geometry = geometry
         self.slots: SlotRecord | None = None
         self.sink_keys: torch.Tensor | None = None  # (B, Hkv, S, D)
-        self._basis: tuple | None = None  # the sinks' `rotation_basis`, () where none applies
 
     @property
     def token_index(self) -> torch.Tensor | None:
@@ -81,59 +79,64 @@ class SinkCacheLayer(CacheLayerMixin):
         drops, and return every key and value the new queries read."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if plan.write_slot is not None:
+            return self._decode(key_states, value_states, plan, rotations, rope)
         sinks, keys, values, sink_keys = self.geometry.sinks, self.keys, self.values, self.sink_keys
         if rotations.rebase is not None:  # the base moved: rotate the stored window keys back by the move
             window = rotate(rope, keys[:, :, sinks:], rotations.rebase)
             keys = torch.cat([keys[:, :, :sinks], window], dim=2)
         if plan.new_sink_index is not None:
             sink_keys, values = _store_sinks(plan.new_sink_index, key_states, value_states, sink_keys, values)
-            self._basis = None
-        if plan.write_slot is not None:  # decoding: each row's one token into its slot, nothing copied
-            for buffer, new in ((keys, key_states), (values, value_states)):
-                if buffer.shape[0] == 1:
-                    buffer.index_copy_(2, plan.write_slot, new)
-                else:  # each row its own slot
-                    buffer.scatter_(2, plan.write_slot.view(-1, 1, 1, 1).expand_as(new), new)
-            if sinks:
-                keys[:, :, :sinks] = self._rotated_sinks(rope, sink_keys, rotations.sinks)
-        else:
-            sink_slots = rotate(rope, sink_keys, rotations.sinks)
-            keys = torch.cat([sink_slots, keys[:, :, sinks:], key_states], dim=2)
-            values = torch.cat([values, value_states], dim=2)
-        read = _doubled(keys, values, sink_keys) if plan.doubled else (keys, values)
-        if plan.keep_index is not None:
-            keys, values = _gather_slots(keys, plan.keep_index), _gather_slots(values, plan.keep_index)
+        sink_slots = rotate(rope, sink_keys, rotations.sinks)
+        keys = torch.cat([sink_slots, keys[:, :, sinks:], key_states], dim=2)
+        values = torch.cat([values, value_states], dim=2)
+        read = _with_sink_channels(keys, values, sink_keys) if plan.sink_channels else (keys, values)
+        keys, values = _gather_slots(keys, plan.keep_index), _gather_slots(values, plan.keep_index)
         self.keys, self.values, self.sink_keys, self.slots = keys, values, sink_keys, plan.after
+        if not torch.compiler.is_compiling() and plan.keep_index.shape[-1] == self.geometry.capacity:
+            # decoding steps write these in place: a fixed address lets a CUDA graph replay them (as StaticCache)
+            for tensor in (self.keys, self.values, self.sink_keys, *self.slots.tensors()):
+                torch._dynamo.mark_static_address(tensor)
         return read
 
-    def _rotated_sinks(self, rope: RopeFn, sink_keys: torch.Tensor, cos_sin: CosSin) -> torch.Tensor:
-        """The sinks rotated at ``cos_sin`` while decoding: from a basis ``a·cos + b·sin`` found once where the
-        family's rotation has that form (checked bitwise), else by the family's own function."""
-        if self._basis is None:
-            self._basis = rotation_basis(rope, sink_keys, cos_sin) or ()
-        if not self._basis:
-            return rotate(rope, sink_keys, cos_sin)
-        (a, b), (cos, sin) = self._basis, cos_sin
-        return a * cos.unsqueeze(1) + b * sin.unsqueeze(1)
+    def _decode(self, key_states, value_states, plan: StepPlan, rotations: Rotations, rope: RopeFn):
+        """A decoding step (`decode_plan`), all in place and with no host sync: each row's token into its slot, a
+        new sink's key kept as it came, the sinks rotated into their slots, the slot record advanced."""
+        sinks, slot = self.geometry.sinks, plan.write_slot.view(-1, 1, 1, 1)
+        self.keys.scatter_(2, slot.expand_as(key_states), key_states)
+        self.values.scatter_(2, slot.expand_as(value_states), value_states)
+        if sinks:
+            sink = plan.new_sink_index.view(-1, 1, 1, 1)  # -1 where the token is no sink
+            at = sink.clamp_min(0).expand_as(key_states)
+            self.sink_keys.scatter_(2, at, torch.where(sink >= 0, key_states, self.sink_keys.gather(2, at)))
+            self.keys[:, :, :sinks] = rotate(rope, self.sink_keys, rotations.sinks)
+        for mine, new in zip(self.slots.tensors(), plan.after.tensors()):
+            mine.copy_(new)
+        return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return query_length, self.get_seq_length()  # a mask of the new tokens only (see `SinkCache`)
 
     def get_seq_length(self) -> int:
-        return 0 if self.slots is None else self.slots.seen
+        if self.slots is None:
+            return 0
+        # a tensor while compiling (as StaticCache's), so that a decoding step reads no number off the device
+        return self.slots.seen if torch.compiler.is_compiling() else int(self.slots.seen)
 
     def get_max_length(self) -> int:
         return -1  # the stream is unbounded; the memory is not (see `SinkCache.capacity`)
 
     def reset(self) -> None:
-        self.keys = self.values = self.sink_keys = self.slots = self._basis = None
+        self.keys = self.values = self.sink_keys = self.slots = None
         self.is_initialized = False
 
     def state_dict(self) -> dict[str, Any]:
         """The layer's geometry, tensors and slot record, as tensors and plain values."""
         state: dict[str, Any] = {"geometry": [self.geometry.sinks, self.geometry.window, self.geometry.local]}
         if self.slots is not None:
-            state.update(keys=self.keys, values=self.values, sink_keys=self.sink_keys, seen=self.slots.seen)
+            state.update(
+                keys=self.keys, values=self.values, sink_keys=self.sink_keys, seen=int(self.slots.seen)
+            )
             state.update(index=self.slots.index, real_tokens=self.slots.real_tokens, base=self.slots.base)
         return state
 
@@ -142,7 +145,8 @@ class SinkCacheLayer(CacheLayerMixin):
         self.reset()
         if "keys" in state:
             self.keys, self.values, self.sink_keys = state["keys"], state["values"], state["sink_keys"]
-            self.slots = SlotRecord(state["index"], state["real_tokens"], state["base"], int(state["seen"]))
+            seen = torch.tensor(int(state["seen"]), device=state["index"].device)
+            self.slots = SlotRecord(state["index"], state["real_tokens"], state["base"], seen)
             self.dtype, self.device, self.is_initialized = self.keys.dtype, self.keys.device, True
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -151,7 +155,6 @@ class SinkCacheLayer(CacheLayerMixin):
         )
 
     def _select_rows(self, select: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self._basis = None
         if self.slots is not None:
             self.keys, self.values, self.sink_keys = map(select, (self.keys, self.values, self.sink_keys))
             self.slots = self.slots.select_rows(select)
@@ -179,13 +182,16 @@ def _store_sinks(new_sink_index, key_states, value_states, sink_keys, values):
     return take(key_states, sink_keys), torch.cat([sink_values, values[:, :, sinks:]], dim=2)
 
 
-def _doubled(keys: torch.Tensor, values: torch.Tensor, sink_keys: torch.Tensor):
-    """A doubled call's keys ``[k, 0]``, then the sinks as stored ``[0, R(i) k]``; values zero-padded alike."""
-    dim, sinks = keys.shape[-1], sink_keys.shape[2]
+def _with_sink_channels(keys: torch.Tensor, values: torch.Tensor, sink_keys: torch.Tensor):
+    """The keys of a call with sink channels: every slot's ``[k, 0]``, then one copy of each sink, one-hot in a channel of its own
+    (where the query carries its logit against that sink, `streaming.step`) and with the sink's value; the
+    values zero-padded to the keys' width, so that one call of the backend's fused kernel serves it."""
+    batch, heads, sinks, dim = sink_keys.shape
     if values.shape[-1] != dim:
         raise ValueError("SinkCache's chunked path needs keys and values of the same head size.")
-    wide_keys = torch.cat([F.pad(keys, (0, dim)), F.pad(sink_keys, (dim, 0))], dim=2)
-    return wide_keys, F.pad(torch.cat([values, values[:, :, :sinks]], dim=2), (0, dim))
+    one_hot = torch.eye(sinks, dtype=keys.dtype, device=keys.device).expand(batch, heads, sinks, sinks)
+    wide_keys = torch.cat([F.pad(keys, (0, sinks)), F.pad(one_hot, (dim, 0))], dim=2)
+    return wide_keys, F.pad(torch.cat([values, values[:, :, :sinks]], dim=2), (0, sinks))
 
 
 def _gather_slots(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -235,6 +241,14 @@ class SinkCache(Cache):
         return (
             f"SinkCache(sink_tokens={self.sink_tokens}, window={self.window}, seen={self.get_seq_length()})"
         )
+
+    @property
+    def is_compileable(self) -> bool:
+        """Whether its decoding step compiles whole: ``generate()`` then compiles it by itself on CUDA, XPU and TPU
+        (``generation_config.compile_config`` tunes it, or asks for it on the CPU). Every layer holds fixed shapes
+        and writes in place; only a RoPE the stream cannot compute exactly at any position (Cohere's interleaved
+        one) keeps the general path, with its host syncs."""
+        return self.spec is None or all(layer.table.exact for layer in self.spec.layers.values())
 
     @property
     def capacity(self) -> int:

@@ -6,16 +6,23 @@ the first ``S`` tokens of its row (the sinks) and its own last ``W`` tokens (its
 ``a_q - a_k``, and sink ``i`` at ``min(a_q, S + W - 1) - i``.
 
 How keys are stored: the module rotates its queries and new keys itself, at their rank minus a per-row
-``base``, so the window is never re-rotated. The base moves every ``capacity = S + W`` tokens or more (a
-"rebase" rotates the stored keys back by the move), so positions stay below ``2 * capacity + q`` however long
-the stream. The sinks are kept as they came (rotated at their own rank ``i``: the base is 0 then) and rotated
-into reserved slots ``0..S-1`` for each call, by the one offset the call needs. A call is then:
+``base``, so the window is never re-rotated. A call with several new tokens (the general path, `build_plan`)
+moves the base once ``capacity = S + W`` tokens or more have come since (a "rebase" rotates the stored keys
+back by the move), so its positions stay below ``2 * capacity + q``. The sinks are kept as they came (rotated
+at their own rank ``i``: the base is 0 then) and rotated into reserved slots ``0..S-1`` for each call, by the
+one offset the call needs. A call is then:
 
-* single: every query of a row sees the sinks at one offset from their true distance (one new token, or a
-  chunk whose queries all still see the sinks at their true distance): one attention over the slots;
-* doubled: queries of one chunk see the sinks at different distances. The head dim is doubled: queries
-  ``[R(a_q) q, R(m_q) q]`` with ``m_q = min(a_q, S + W - 1)``, window keys ``[R(a_k) k, 0]``, the sinks at their
-  true distance in the reserved slots and once more as ``[0, R(i) k]``; the mask picks each query's copy.
+* decoding (`decode_plan`): one token per row, with no host sync, so that ``torch.compile`` takes the step whole
+  and a CUDA graph can replay it. Every layer is laid out at its capacity (fixed shapes) and its window slots
+  are a ring: the token goes into its row's oldest slot, which it no longer sees. The base does not move (a
+  `RopeTable` computes any position exactly, in float64, so positions may grow; the next general call rebases);
+* single: every query of a row sees the sinks at one offset from their true distance (a chunk whose queries
+  all still see the sinks at their true distance): one attention over the slots;
+* with sink channels: queries of one chunk see the sinks at different distances. Each query gets ``S`` more
+  channels, its logits against the sinks at its sink distance, ``R(m_q) q · R(i) k_i`` with
+  ``m_q = min(a_q, S + W - 1)`` (``S`` dot products per query); window keys are ``[R(a_k) k, 0]``, the sinks
+  sit at their true distance in the reserved slots and once more as one-hot copies ``[0, e_i]`` with their
+  values; the mask picks each query's copy. One backend call over ``D + S`` channels.
 
 **A layer with a sliding window of its own** (Gemma-2/3, Mistral, Cohere-2) sees what the model's mask lets it
 see in the cache: with a query at ``m_q``, a layer of window ``w`` reads the window keys nearer than
@@ -45,18 +52,22 @@ class SlotRecord:
     index: torch.Tensor  # (B, C): index of the token in each slot, -1 free; slots 0..S-1 are the sinks'
     real_tokens: torch.Tensor  # (B,): real tokens streamed per row
     base: torch.Tensor  # (B,): stored window keys are rotated at (index - base)
-    seen: int  # tokens streamed, padding included (what generate() slices its inputs by)
+    seen: torch.Tensor  # 0-d: tokens streamed, padding included (what generate() slices its inputs by)
 
     @classmethod
     def empty(cls, batch: int, sinks: int, device: torch.device) -> SlotRecord:
         """The record of a layer that holds nothing yet."""
         zeros = torch.zeros(batch, dtype=torch.long, device=device)
-        return cls(zeros[:, None].expand(-1, sinks) - 1, zeros, zeros, 0)
+        return cls(zeros[:, None].expand(-1, sinks) - 1, zeros, zeros, zeros.new_zeros(()))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every field (all tensors), in order."""
+        return self.index, self.real_tokens, self.base, self.seen
 
     def same_as(self, other: SlotRecord) -> bool:
         """Whether both records hold the same slots."""
-        pairs = ((self.index, other.index), (self.real_tokens, other.real_tokens), (self.base, other.base))
-        return self.seen == other.seen and all(a.shape == b.shape and torch.equal(a, b) for a, b in pairs)
+        pairs = zip(self.tensors(), other.tensors())
+        return all(a.shape == b.shape and torch.equal(a, b) for a, b in pairs)
 
     def select_rows(self, select) -> SlotRecord:
         """The record of the rows ``select`` picks (beam search reorders, repeats and drops rows)."""
@@ -94,7 +105,7 @@ class Rotations:
 
     new: CosSin  # the module's own: its queries and new keys, at the plan's new positions
     sinks: CosSin  # the stored sinks into their reserved slots (a pure rotation)
-    query: CosSin | None  # doubled: the queries' second half, from their new position to m_q (pure)
+    query: CosSin | None  # with sink channels: the queries' move from their new position to m_q (pure)
     rebase: CosSin | None  # the stored window keys' move back (pure; None: the base did not move)
 
 
@@ -104,23 +115,26 @@ class StepPlan:
 
     geometry: LayerGeometry  # of the layers it plans for
     after: SlotRecord
-    doubled: bool  # queries see the sinks at different distances (see the module docstring)
+    sink_channels: bool  # queries see the sinks at different distances (see the module docstring)
     new_positions: torch.Tensor  # (B, q): the new keys and the queries
     sink_offset: torch.Tensor  # (B, 1): the stored sinks' move into their reserved slots
-    query_offset: torch.Tensor | None  # (B, q): doubled only: the queries' second half's move
+    query_offset: torch.Tensor | None  # (B, q): with sink channels only: the queries' move to m_q
     rebase: torch.Tensor | None  # (B,): rotate the stored window keys back by this much first; None: no move
     new_sink_index: torch.Tensor | None  # (B, q): each new sink's index, else -1; None: no new sink
-    write_slot: torch.Tensor | None  # (B,): in place (decoding): the slot each row's one token goes to
+    write_slot: torch.Tensor | None  # (B,): decoding (in place): the slot each row's one token goes to
     keep_index: torch.Tensor | None  # appending: slots kept after the call (1D, or (B, C') per row)
-    mask: torch.Tensor | None  # (B, 1, q, K) additive; None when one query sees every slot
+    mask: torch.Tensor  # (B, 1, q, K) additive
 
     def rotations(self, table: RopeTable) -> Rotations:
         """cos/sin of this call's rotations for one layer type's table (every pure move in one call of it)."""
-        moves = [self.sink_offset, *([self.query_offset] if self.doubled else [])]
+        moves = [self.sink_offset, *([self.query_offset] if self.sink_channels else [])]
         moves += [] if self.rebase is None else [-self.rebase[:, None]]
         cos, sin = table.relative(torch.cat(moves, dim=1))
         parts = list(zip(*(x.split([m.shape[1] for m in moves], 1) for x in (cos, sin))))
-        query, rebase = parts[1] if self.doubled else None, parts[-1] if self.rebase is not None else None
+        query, rebase = (
+            parts[1] if self.sink_channels else None,
+            parts[-1] if self.rebase is not None else None,
+        )
         return Rotations(table(self.new_positions), parts[0], query, rebase)
 
 
@@ -129,13 +143,13 @@ def build_plan(
     new_valid: torch.Tensor,
     geometry: LayerGeometry,
     dtype: torch.dtype,
-    in_place: bool,
-    all_valid: bool = False,
+    all_valid: bool,
+    full_size: bool,
 ) -> StepPlan:
     """Plan one call of ``new_valid.shape[1]`` new tokens (``new_valid``: False for padding) for the layers of one
-    geometry holding ``before``; a decoding step is the call of one token. ``dtype`` is the mask's; ``in_place``
-    lets one token per row be written into a free slot (no autograd); ``all_valid`` says no new token is
-    padding (it spares a few checks)."""
+    geometry holding ``before``: the new tokens after the stored ones, compacted after the call (the general path,
+    with host syncs). ``dtype`` is the mask's; ``all_valid`` says no new token is padding (it spares a few checks);
+    ``full_size`` lays the kept slots out at the geometry's capacity, for the decoding steps that follow."""
     sinks, window, capacity = geometry.sinks, geometry.window, geometry.capacity
     q_len = new_valid.shape[1]
     new_index = (before.real_tokens[:, None] + new_valid.long().cumsum(1) - 1).masked_fill(~new_valid, -1)
@@ -145,51 +159,69 @@ def build_plan(
     moving = real_tokens - before.base > 2 * capacity
     base = torch.where(moving, (before.real_tokens - capacity).clamp_min(0), before.base)
     rebase = base - before.base if bool(moving.any()) else None
-    # Decoding: each row's one token into a slot, a sink into its own, any other into the first free one (when
-    # every row has one; else the call appends and compacts afterwards).
-    free, token, write_slot = before.index[:, sinks:] < 0, new_index[:, 0], None
-    decoding = in_place and q_len == 1 and (all_valid or bool(new_valid.all()))
-    if decoding and bool((free.any(1) | (token < sinks)).all()):
-        first_free = free.to(torch.int8).argmax(1) if free.shape[1] else torch.zeros_like(token)
-        write_slot = torch.where(token < sinks, token, sinks + first_free)
-    if write_slot is not None:  # the token goes into its slot: a sink's reserved one, or a free one
-        key_index = before.index.scatter(1, write_slot[:, None], new_index)
-        query_slot = write_slot[:, None]
-    else:  # the new tokens after the stored ones; new sinks are read from their reserved slots
-        ids = torch.arange(sinks, device=new_index.device)[None]
-        reserved = torch.where(ids < real_tokens[:, None], ids, -1)
-        appended = new_index.masked_fill(new_index < sinks, -1)
-        key_index = torch.cat([reserved, before.index[:, sinks:], appended], dim=1)
-        first = before.index.shape[1]
-        query_slot = torch.arange(first, first + q_len, device=new_index.device).expand_as(new_index)
-    doubled = q_len > 1 and sinks > 0 and int(new_index.max()) >= capacity
+    # The new tokens after the stored ones; new sinks are read from their reserved slots.
+    ids = torch.arange(sinks, device=new_index.device)[None]
+    reserved = torch.where(ids < real_tokens[:, None], ids, -1)
+    appended = new_index.masked_fill(new_index < sinks, -1)
+    key_index = torch.cat([reserved, before.index[:, sinks:], appended], dim=1)
+    first = before.index.shape[1]
+    query_slot = torch.arange(first, first + q_len, device=new_index.device).expand_as(new_index)
+    sink_channels = q_len > 1 and sinks > 0 and int(new_index.max()) >= capacity
     # Queries past S + W - 1 see sink i at S + W - 1 - i: further than its true distance by this shift.
     shift = (new_index - (capacity - 1)).clamp_min(0)
     oldest = (real_tokens - (window - 1)).clamp_min(0)[:, None]  # older window tokens are evicted
     keep = (torch.arange(key_index.shape[1], device=key_index.device) < sinks) | (key_index >= oldest)
-    keep_index, after_index = None, key_index.masked_fill(~keep, -1)
-    if write_slot is None:
-        keep_index, after_index = _keep_index(keep, key_index, capacity)
+    keep_index, after_index = _keep_index(keep, key_index, capacity, full_size)
     new_positions, new_sink = (new_index - base[:, None]).clamp_min(0), (new_index >= 0) & (new_index < sinks)
-    visible = _visibility(key_index, new_index, shift, geometry, doubled)
+    visible = _visibility(key_index, new_index, shift, geometry, sink_channels)
     if not all_valid:  # a padding query sees only itself: discarded, but it must not be NaN (NaN * 0 = NaN)
         padding = (new_index < 0)[:, :, None]
         visible = visible | torch.zeros_like(visible).scatter_(2, query_slot[:, :, None], padding)
-    mask = None  # a decoding query that reads every slot needs none: the backend's fastest path
-    if write_slot is None or not bool(visible.all()):
-        mask = additive_mask(visible, dtype)[:, None]
     return StepPlan(
         geometry=geometry,
         after=SlotRecord(after_index, real_tokens, base, before.seen + q_len),
-        doubled=doubled,
+        sink_channels=sink_channels,
         new_positions=new_positions,
-        sink_offset=(-base if doubled else shift.amax(1) - base)[:, None],
-        query_offset=new_index.clamp(0, capacity - 1) - new_positions if doubled else None,
+        sink_offset=(-base if sink_channels else shift.amax(1) - base)[:, None],
+        query_offset=new_index.clamp(0, capacity - 1) - new_positions if sink_channels else None,
         rebase=rebase,
         new_sink_index=new_index.masked_fill(~new_sink, -1) if bool(new_sink.any()) else None,
-        write_slot=write_slot,
+        write_slot=None,
         keep_index=keep_index,
-        mask=mask,
+        mask=additive_mask(visible, dtype)[:, None],
+    )
+
+
+def decode_plan(
+    before: SlotRecord, new_valid: torch.Tensor, geometry: LayerGeometry, dtype: torch.dtype
+) -> StepPlan:
+    """Plan a decoding step (one new token per row; ``new_valid`` ``(B, 1)``) for layers whose slots are laid out
+    at the geometry's capacity, with no host sync, so that ``torch.compile`` takes it whole and a CUDA graph can
+    replay it. The slots are a ring: a token goes into its row's oldest window slot (a free one first: free
+    slots hold index -1), which the new token no longer sees, a sink into its reserved slot. A padding row's
+    token goes there too, marked free (its query reads nothing it needs: discarded, finite). The base does not
+    move (an exact `RopeTable` keeps any position exact; the general path rebases)."""
+    sinks, capacity = geometry.sinks, geometry.capacity
+    token = before.real_tokens[:, None]  # (B, 1): the new token's index in its row, where it is real
+    new_index = token.masked_fill(~new_valid, -1)
+    oldest = before.index[:, sinks:].argmin(1, keepdim=True) + sinks
+    write_slot = torch.where(token < sinks, token, oldest)
+    key_index = before.index.scatter(1, write_slot, new_index)
+    shift = (new_index - (capacity - 1)).clamp_min(0)
+    base = before.base[:, None]
+    visible = _visibility(key_index, new_index, shift, geometry, sink_channels=False)
+    return StepPlan(
+        geometry=geometry,
+        after=SlotRecord(key_index, before.real_tokens + new_valid[:, 0], before.base, before.seen + 1),
+        sink_channels=False,
+        new_positions=(new_index - base).clamp_min(0),
+        sink_offset=shift - base,
+        query_offset=None,
+        rebase=None,
+        new_sink_index=new_index.masked_fill(new_index >= sinks, -1),
+        write_slot=write_slot[:, 0],
+        keep_index=None,
+        mask=additive_mask(visible, dtype)[:, None],
     )
 
 
@@ -198,9 +230,9 @@ def _visibility(
     new_index: torch.Tensor,
     shift: torch.Tensor,
     geometry: LayerGeometry,
-    doubled: bool,
+    sink_channels: bool,
 ) -> torch.Tensor:
-    """``(B, q, K)`` bool: which slots each query reads (doubled: ``K + S``, the sinks' second copies last)."""
+    """``(B, q, K)`` bool: which slots each query reads (with sink channels: ``K + S``, the sinks' copies last)."""
     sinks = geometry.sinks
     a_q, a_k = new_index[:, :, None], key_index[:, None, :]
     distance = a_q - a_k
@@ -209,18 +241,21 @@ def _visibility(
     sink = real[..., :sinks]
     if geometry.local is not None:  # the layer's own window hides the sinks it sees further than it
         sink = sink & (distance[..., :sinks] - shift[:, :, None] < geometry.local)
-    if doubled:  # reserved slots hold the sinks at their true distance; the copies, at their sink distance
+    if (
+        sink_channels
+    ):  # reserved slots hold the sinks at their true distance; the copies, at their sink distance
         return torch.cat([in_window, sink & (distance[..., :sinks] >= geometry.window)], dim=-1)
     return in_window | F.pad(sink, (0, key_index.shape[1] - sinks))
 
 
 def _keep_index(
-    keep: torch.Tensor, key_index: torch.Tensor, capacity: int
+    keep: torch.Tensor, key_index: torch.Tensor, capacity: int, full_size: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Slots to copy into the new cache tensors (kept ones first, in order), and their indices (-1: spare). The
-    new tensors get room to grow (twice the kept count, at most ``capacity``): decoding then writes in place."""
+    new tensors hold ``capacity`` slots where ``full_size`` (decoding then writes in place), else room to grow
+    (twice the kept count, at most ``capacity``)."""
     kept = int(keep.sum(1).max())
-    size = min(capacity, max(kept + 1, 2 * kept))
+    size = capacity if full_size else min(capacity, max(kept + 1, 2 * kept))
     if keep.shape[0] == 1 or bool((keep == keep[:1]).all()):
         index = keep[0].nonzero().squeeze(1)
         token_index = key_index.index_select(1, index)

@@ -4,13 +4,15 @@ A patched RoPE attention module hands its step to the cache (`hf_attnscale.core.
 `attention_step`: the module's class forward, given the plan's cos/sin in place of the model's (so it rotates
 its queries and new keys at their positions inside the cache) and the plan's mask. The cache's ``update``
 stores the keys and returns every key the queries read. When queries of one chunk see the sinks at different
-distances (a doubled plan, `hf_attnscale.streaming.plan`), the call's query hook gives each query its second
-half and its output hook drops the doubled head's padding. The attention function is the core's wrapper, so
+distances (a plan with sink channels, `hf_attnscale.streaming.plan`), the call's query hook gives each query its logits
+against the sinks at its sink distance, one channel each, and its output hook drops the values' padding. The attention function is the core's wrapper, so
 log-n scaling (n counted from the plan's mask) and the exit compose with no special case.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -23,7 +25,7 @@ from hf_attnscale.core.call.masks import visible_entries
 from hf_attnscale.core.call.rope import CosSin, RopeFn
 from hf_attnscale.core.install.routing import cache_argument, forward_with_hooks
 
-from .plan import Rotations, SlotRecord, StepPlan, build_plan
+from .plan import Rotations, SlotRecord, StepPlan, build_plan, decode_plan
 from .spec import LayerSpec, token_slice
 
 PIECE_TOKENS = 1024
@@ -46,7 +48,7 @@ class Call:
 
     first_layer: int
     new_valid: torch.Tensor  # (B, q): which new tokens are real
-    all_valid: bool
+    masked: bool  # the call came with a mask (its new tokens may be padding)
     # each piece's plan and rotations, by the layers' geometry, the piece's start and the layers' RoPE type
     plans: dict[tuple, tuple[StepPlan, Rotations]] = field(default_factory=dict)
     pending: PendingUpdate | None = None
@@ -57,7 +59,20 @@ class Call:
     ) -> Call:
         """The call whose first attention layer gets ``hidden_states`` and ``attention_mask``."""
         new_valid = new_token_validity(attention_mask, *hidden_states.shape[:2], hidden_states.device)
-        return cls(first_layer, new_valid, attention_mask is None or bool(new_valid.all()))
+        return cls(first_layer, new_valid, attention_mask is not None)
+
+    @functools.cached_property
+    def all_valid(self) -> bool:
+        """Whether no new token is padding: a host sync, which only the general path pays (never a decoding
+        step). Raises ValueError when every new token is."""
+        if not self.masked:
+            return True
+        if not bool(self.new_valid.any()):
+            raise ValueError(
+                "The attention_mask marks every new token as padding. With a cache, pass a 2D attention_mask "
+                "that covers the past and the new tokens, (batch, past + new), as generate() does; or none."
+            )
+        return bool(self.new_valid.all())
 
 
 def attention_step(
@@ -84,7 +99,10 @@ def attention_step(
         try:
             out, weights = forward_with_hooks(
                 module,
-                _doubled_hooks(spec.rope, rotations) if plan.doubled else _NO_HOOKS,
+                _sink_channel_hooks(spec.rope, rotations, lambda: cache.layers[module.layer_idx].sink_keys)
+                if plan.sink_channels
+                else _NO_HOOKS,
+                called_as_module=whole,  # its gate has this input (a piece's is handed to it)
                 hidden_states=hidden_states if whole else hidden_states[:, piece],
                 position_embeddings=rotations.new,
                 attention_mask=plan.mask,
@@ -105,15 +123,24 @@ def _planned(
     key = (spec.geometry, start, spec.table.layer_type)
     if key not in call.plans:
         new_valid = call.new_valid[:, start : start + PIECE_TOKENS]
-        slots = cache.layers[layer_idx].slots if layer_idx < len(cache.layers) else None
+        layer = cache.layers[layer_idx] if layer_idx < len(cache.layers) else None
+        slots = None if layer is None else layer.slots
         slots = slots or SlotRecord.empty(new_valid.shape[0], spec.geometry.sinks, new_valid.device)
         if slots.real_tokens.shape[0] != new_valid.shape[0]:
             raise ValueError(
                 f"This SinkCache holds a batch of {slots.real_tokens.shape[0]} streams but got "
                 f"{new_valid.shape[0]}; use one cache per batch (or cache.reset())."
             )
-        # Writing into the cache in place would break autograd's saved tensors; it pays off when decoding.
-        plan = build_plan(slots, new_valid, spec.geometry, dtype, not torch.is_grad_enabled(), call.all_valid)
+        # Writing into the cache in place would break autograd's saved tensors; decoding steps write in place
+        # where the layer is laid out at its capacity, and the table keeps any position exact (they never rebase).
+        laid_out = (
+            layer is not None and layer.slots is not None and layer.keys.shape[2] == spec.geometry.capacity
+        )
+        no_grad = not torch.is_grad_enabled()
+        if new_valid.shape[1] == 1 and no_grad and laid_out and spec.table.exact:
+            plan = decode_plan(slots, new_valid, spec.geometry, dtype)
+        else:
+            plan = build_plan(slots, new_valid, spec.geometry, dtype, call.all_valid, full_size=no_grad)
         call.plans[key] = (plan, plan.rotations(spec.table))
     return call.plans[key]
 
@@ -130,20 +157,25 @@ def new_token_validity(
             "With a SinkCache, pass a 2D attention_mask (batch, past + new tokens), or none; got "
             f"{type(mask).__name__} of shape {tuple(getattr(mask, 'shape', ()))}."
         )
-    diagonal = mask[:, 0].diagonal(dim1=-2, dim2=-1)
-    real = visible_entries(diagonal)
-    if not bool(real.any()):
-        raise ValueError(
-            "The attention_mask marks every new token as padding. With a cache, pass a 2D attention_mask "
-            "that covers the past and the new tokens, (batch, past + new), as generate() does; or none."
-        )
-    return real.expand(batch, q_len).to(device)
+    return visible_entries(mask[:, 0].diagonal(dim1=-2, dim2=-1)).expand(batch, q_len).to(device)
 
 
-def _doubled_hooks(rope: RopeFn, rotations: Rotations) -> CallHooks:
-    """A doubled call's hooks: each query ``[q, q moved to m_q]``, and the output's padding dropped."""
-    return CallHooks(
-        query=lambda q: torch.cat([q, rope(q, q[:, :1], *rotations.query)[0]], dim=-1),
-        # values were zero-padded to 2D; contiguous, as some families .view() the output
-        output=lambda out: out[..., : out.shape[-1] // 2].contiguous(),
-    )
+def _sink_channel_hooks(
+    rope: RopeFn, rotations: Rotations, sink_keys: Callable[[], torch.Tensor]
+) -> CallHooks:
+    """The hooks of a call with sink channels: each query gets one more channel per sink, holding its logit against that sink at
+    the query's sink distance (the query moved to ``m_q``, dotted with the sink as stored; ``sink_keys()`` reads
+    them once the call's update has stored them), which meets the sink's one-hot copy; the output's padding is
+    dropped."""
+
+    def query(q: torch.Tensor) -> torch.Tensor:
+        moved, sinks = rope(q, q[:, :1], *rotations.query)[0], sink_keys()
+        (batch, heads, length, dim), kv_heads = moved.shape, sinks.shape[1]
+        grouped = moved.view(batch, kv_heads, heads // kv_heads, length, dim)
+        logits = torch.einsum("bkgtd,bksd->bkgts", grouped, sinks).reshape(batch, heads, length, -1)
+        return torch.cat([q, logits], dim=-1)
+
+    def output(out: torch.Tensor) -> torch.Tensor:  # contiguous, as some families .view() it
+        return out[..., : out.shape[-1] - sink_keys().shape[2]].contiguous()
+
+    return CallHooks(query=query, output=output)

@@ -152,6 +152,7 @@ def _combination(module, query, key, value, mask, causal, kwargs) -> Combination
     """What the check must cover for this call, or None where the fused path does not serve it."""
     if (
         query.device.type != "cpu"
+        or torch.compiler.is_compiling()  # the public formulation, which a graph takes whole
         or os.environ.get(ENV_SWITCH, "1") == "0"
         or torch.is_autocast_enabled("cpu")
         or kwargs.get("dropout", 0.0)

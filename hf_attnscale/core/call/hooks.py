@@ -1,7 +1,7 @@
 """What one caller adds to the attention calls it makes, carried by the call and never stored on a module.
 
 A model object is shared: a server runs it from many threads, each stream with its own cache. So whatever one
-call needs beyond the patch (a `SinkCache`'s doubled queries, a diagnostics probe) travels with that
+call needs beyond the patch (a `SinkCache`'s sink channels, a diagnostics probe) travels with that
 call. Two carriers, read in this order by `scaled_attention`:
 
 1. the keyword argument ``hfa_hooks`` of the attention module's forward, which transformers passes down to the
@@ -32,8 +32,8 @@ class CallHooks:
     """Per-call additions to a patched attention call; every field is optional.
 
     Attributes:
-        query: maps the query ``(B, H, Tq, D)`` before the scale law (a doubled SinkCache call widens it).
-        output: maps the attention output ``(B, Tq, H, Dv)`` (a doubled SinkCache call drops its padding).
+        query: maps the query ``(B, H, Tq, D)`` before the scale law (a SinkCache call with sink channels widens it).
+        output: maps the attention output ``(B, Tq, H, Dv)`` (a SinkCache call with sink channels drops its padding).
         probe: called with what the backend is about to compute (`hf_attnscale.diagnostics`).
         rerope: the call runs ReRoPE over raw queries and keys (`hf_attnscale.core.call.rerope`).
     """

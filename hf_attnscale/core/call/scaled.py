@@ -45,6 +45,9 @@ def scaled_attention(
     """Apply the patch around one call of ``backend_fn``, the function of ``backend``; ``hooks`` are this
     call's own additions (`hf_attnscale.core.call.hooks`). Shapes: q ``(B,H,Tq,D)``, k/v ``(B,Hkv,Tk,D)``."""
     config = state.config
+    if hooks is not None and (hooks.query is not None or hooks.rerope is not None):
+        # a SinkCache's sink channels and ReRoPE's copies widen the query: the model's scale is of the head dim
+        kwargs["scaling"] = kwargs.get("scaling") or query.shape[-1] ** -0.5
     if hooks is not None and hooks.query is not None:
         query = hooks.query(query)
     is_causal = kwargs.get("is_causal")
@@ -104,7 +107,6 @@ def scaled_attention(
         out, weights = attend(query, key, value, attention_mask)
     else:  # ReRoPE: the backend runs on each chunk's doubled channels, under the chunk's dense mask
         sliding_window = kwargs.pop("sliding_window", None)
-        kwargs["scaling"] = kwargs.get("scaling") or query.shape[-1] ** -0.5  # the doubled width is not D
         kwargs["is_causal"] = False
         chunk = lambda q, k, v, mask: attend(q, k, v, mask, causal=False)  # noqa: E731
         out = rerope_attention(
