@@ -528,7 +528,7 @@ def checkpoint(args) -> str:
     from hf_attnscale.evaluation.long_texts import joined_documents
 
     tokenizer = AutoTokenizer.from_pretrained(hfa.fetch(args.shape))
-    need = max(args.tokens + 1, args.decode_at)
+    need = max(args.tokens + 1, args.decode_at, SINKS + WINDOW)
     text = joined_documents(builtin_documents("heldout"), tokenizer, need)[0].text
     ids = torch.tensor(tokenizer(text)["input_ids"][:need])
     codes = dict(code.split("=", 1) for code in args.code)

@@ -102,14 +102,17 @@ class SinkCacheLayer(CacheLayerMixin):
     def _decode(self, key_states, value_states, plan: StepPlan, rotations: Rotations, rope: RopeFn):
         """A decoding step (`decode_plan`), all in place and with no host sync: each row's token into its slot, a
         new sink's key kept as it came, the sinks rotated into their slots, the slot record advanced."""
-        sinks, slot = self.geometry.sinks, plan.write_slot.view(-1, 1, 1, 1)
-        self.keys.scatter_(2, slot.expand_as(key_states), key_states)
-        self.values.scatter_(2, slot.expand_as(value_states), value_states)
+        # index_put_ and index_copy_, which inductor writes in place (a scatter_ copied whole buffers)
+        sinks, rows = self.geometry.sinks, torch.arange(key_states.shape[0], device=key_states.device)
+        self.keys[rows, :, plan.write_slot] = key_states[:, :, 0]
+        self.values[rows, :, plan.write_slot] = value_states[:, :, 0]
         if sinks:
-            sink = plan.new_sink_index.view(-1, 1, 1, 1)  # -1 where the token is no sink
-            at = sink.clamp_min(0).expand_as(key_states)
-            self.sink_keys.scatter_(2, at, torch.where(sink >= 0, key_states, self.sink_keys.gather(2, at)))
-            self.keys[:, :, :sinks] = rotate(rope, self.sink_keys, rotations.sinks)
+            sink = plan.new_sink_index[:, 0]  # -1 where the token is no sink
+            at = sink.clamp_min(0)
+            kept = torch.where(sink[:, None, None] >= 0, key_states[:, :, 0], self.sink_keys[rows, :, at])
+            self.sink_keys[rows, :, at] = kept
+            reserved = torch.arange(sinks, device=key_states.device)
+            self.keys.index_copy_(2, reserved, rotate(rope, self.sink_keys, rotations.sinks))
         for mine, new in zip(self.slots.tensors(), plan.after.tensors()):
             mine.copy_(new)
         return self.keys, self.values
