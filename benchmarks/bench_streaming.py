@@ -34,6 +34,14 @@ keys on each read, timed beside a decode step of a ``DynamicCache`` holding 1,02
 
     python benchmarks/bench_streaming.py rotate-on-read
 
+Issue #56's numbers: the compiled decode step (generate()'s own compile, inductor) against a compiled
+`StaticCache` of 1,024 slots, and the chunked stream against the same tokens read as dense 1,024-token segments;
+then where the time goes (self CPU time by the pipeline's function, from torch.profiler's stacks):
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_streaming.py checkpoint --tokens 8192 --decode-at 8192 \
+        --repeats 3 --parts decode compiled stream segments
+    OMP_NUM_THREADS=1 python benchmarks/bench_streaming.py profile
+
 The report gives each later version against the first (``new / old``); ``--tokens``, ``--decode-at``,
 ``--dynamic-at``, ``--steps`` and ``--rounds`` change the sizes (a smoke run: ``--tokens 64 --decode-at 80
 --dynamic-at 32 --steps 2 --rounds 1 --repeats 1``).
@@ -45,6 +53,7 @@ are stable on a shared 2-core machine). Every ratio compares numbers measured in
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -614,6 +623,101 @@ def checkpoint(args) -> str:
     return "\n".join(lines)
 
 
+def _annotated(owner, name: str, label: str) -> None:
+    """Wrap ``owner.name`` in a profiler range called ``label`` (the benchmark's own, the library unchanged)."""
+    function = getattr(owner, name)
+
+    def wrapped(*args, **kwargs):
+        with torch.profiler.record_function(label):
+            return function(*args, **kwargs)
+
+    setattr(owner, name, wrapped)
+
+
+def profile(args) -> str:
+    """Where the time of a chunked stream and of eager decoding steps goes: each stage of the pipeline timed
+    inside a profiler range (inclusive), the attention kernel by its op, the rest the model's own ops."""
+    from transformers import AutoTokenizer
+
+    from hf_attnscale.evaluation.corpus import builtin_documents
+    from hf_attnscale.evaluation.long_texts import joined_documents
+    from hf_attnscale.streaming import cache as cache_module, plan as plan_module, step as step_module
+
+    stages = {
+        "plan: positions, visibility, mask, eviction": [
+            (step_module, "build_plan"),
+            (step_module, "decode_plan"),
+        ],
+        "RoPE: cos/sin of the call's positions and moves": [(plan_module.StepPlan, "rotations")],
+        "cache update: stores, sinks rotated, compaction copies, sink copies": [
+            (cache_module.SinkCacheLayer, "update")
+        ],
+    }
+    for label, places in stages.items():
+        for owner, name in places:
+            _annotated(owner, name, label)
+    channel_hooks = step_module._sink_channel_hooks
+
+    def timed_hooks(*arguments):  # the sink channels' query logits
+        hooks = channel_hooks(*arguments)
+        query = hooks.query
+
+        def timed(q):
+            with torch.profiler.record_function("sink channels: each query's logits against the sinks"):
+                return query(q)
+
+        return dataclasses.replace(hooks, query=timed)
+
+    step_module._sink_channel_hooks = timed_hooks
+    model = build_model(args)
+    tokenizer = AutoTokenizer.from_pretrained(hfa.fetch(args.shape))
+    text = joined_documents(builtin_documents("heldout"), tokenizer, args.tokens + args.steps + 1)[0].text
+    ids = torch.tensor(tokenizer(text)["input_ids"][: args.tokens + args.steps + 1])
+    tables = []
+    for label in ("chunked stream", "eager decoding steps"):
+        cache = hfa.SinkCache(SINKS, WINDOW)
+        with torch.no_grad():
+            if label != "chunked stream":
+                model(ids[None, : args.tokens], past_key_values=cache)
+            started = time.perf_counter()
+            with torch.profiler.profile() as prof:
+                if label == "chunked stream":
+                    for start in range(0, args.tokens, args.chunk_size):
+                        model(ids[None, start : start + args.chunk_size], past_key_values=cache)
+                else:
+                    for t in range(args.tokens, args.tokens + args.steps):
+                        model(ids[None, t : t + 1], past_key_values=cache)
+            total = time.perf_counter() - started
+        events = prof.key_averages()
+        parts = {
+            e.key: e.cpu_time_total / 1e6
+            for e in events
+            if e.key.split(":")[0] in {s.split(":")[0] for s in [*stages, "sink channels:"]}
+        }
+        parts["attention kernel (sdpa)"] = (
+            sum(
+                e.cpu_time_total
+                for e in events
+                if e.key.startswith("aten::_scaled_dot_product") and "for_cpu" in e.key
+            )
+            / 1e6
+        )
+        parts["the model's own ops (projections, MLP, norms, logits) and the rest"] = total - sum(
+            parts.values()
+        )
+        what = (
+            f"{args.tokens:,} tokens in chunks of {args.chunk_size}"
+            if label == "chunked stream"
+            else f"{args.steps} steps past {args.tokens:,}"
+        )
+        rows = [f"| {name} | {seconds:.2f} | {seconds / total:.1%} |" for name, seconds in parts.items()]
+        tables.append(
+            f"{label} ({what}; {total:.1f} s under the profiler)\n\n| where | s | share |\n|---|---|---|\n"
+            + "\n".join(rows)
+        )
+    return f"{args.shape}, `SinkCache({SINKS}, {WINDOW})`. {setup(args)}.\n\n" + "\n\n".join(tables)
+
+
 def rotate_on_read(args) -> str:
     """The least that storing keys un-rotated would add to a decode step: each layer's keys rotated on read."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -685,6 +789,7 @@ def main(argv: list[str] | None = None) -> None:
         "local",
         "checkpoint",
         "rotate-on-read",
+        "profile",
         "_memory_child",
         "_checkpoint_child",
     ):
@@ -694,7 +799,7 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--device", default="cpu")
         if name not in ("quality", "local"):  # they read real checkpoints as they are
             p.add_argument("--dtype", default="float32")
-            real = name in ("checkpoint", "rotate-on-read", "_checkpoint_child")
+            real = name in ("checkpoint", "rotate-on-read", "profile", "_checkpoint_child")
             p.add_argument(
                 "--shape",
                 choices=[*REAL] if real else ["default", *SHAPES, *REAL],
@@ -731,6 +836,8 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--rounds", type=int, default=4, help="rounds per run, the caches alternating")
     sub.choices["checkpoint"].add_argument("--repeats", type=int, default=5)
     sub.choices["rotate-on-read"].add_argument("--rounds", type=int, default=5)
+    sub.choices["profile"].add_argument("--tokens", type=int, default=8192)
+    sub.choices["profile"].add_argument("--steps", type=int, default=32)
     sub.choices["checkpoint"].add_argument(
         "--parts",
         nargs="+",
@@ -762,6 +869,7 @@ def main(argv: list[str] | None = None) -> None:
         "local": local,
         "checkpoint": checkpoint,
         "rotate-on-read": rotate_on_read,
+        "profile": profile,
     }
     report = commands[args.command](args)
     command = "python benchmarks/bench_streaming.py " + " ".join(argv if argv is not None else sys.argv[1:])

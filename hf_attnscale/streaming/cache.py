@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from hf_attnscale.core.call.rope import RopeFn, rotate
+from hf_attnscale.core.call.rope import CosSin, RopeFn, rotate
 from hf_attnscale.core.options.validation import check_int
 
 from .plan import LayerGeometry, Rotations, SlotRecord, StepPlan
+from .rope import rotation_basis
 from .spec import UNPATCHED_MESSAGE, StreamSpec
 from .step import Call, attention_step
 
@@ -55,6 +56,7 @@ class SinkCacheLayer(CacheLayerMixin):
         self.geometry = geometry
         self.slots: SlotRecord | None = None
         self.sink_keys: torch.Tensor | None = None  # (B, Hkv, S, D)
+        self._basis: tuple[torch.Tensor, torch.Tensor] | None = None  # the sinks' `rotation_basis`, if any
 
     @property
     def token_index(self) -> torch.Tensor | None:
@@ -97,25 +99,32 @@ class SinkCacheLayer(CacheLayerMixin):
             # decoding steps write these in place: a fixed address lets a CUDA graph replay them (as StaticCache)
             for tensor in (self.keys, self.values, self.sink_keys, *self.slots.tensors()):
                 torch._dynamo.mark_static_address(tensor)
+            self._basis = rotation_basis(rope, sink_keys, rotations.sinks) if plan.after.sinks_held else None
         return read
 
     def _decode(self, key_states, value_states, plan: StepPlan, rotations: Rotations, rope: RopeFn):
-        """A decoding step (`decode_plan`), all in place and with no host sync: each row's token into its slot, a
-        new sink's key kept as it came, the sinks rotated into their slots, the slot record advanced."""
-        # index_put_ and index_copy_, which inductor writes in place (a scatter_ copied whole buffers)
-        sinks, rows = self.geometry.sinks, torch.arange(key_states.shape[0], device=key_states.device)
-        self.keys[rows, :, plan.write_slot] = key_states[:, :, 0]
-        self.values[rows, :, plan.write_slot] = value_states[:, :, 0]
-        if sinks:
-            sink = plan.new_sink_index[:, 0]  # -1 where the token is no sink
-            at = sink.clamp_min(0)
-            kept = torch.where(sink[:, None, None] >= 0, key_states[:, :, 0], self.sink_keys[rows, :, at])
-            self.sink_keys[rows, :, at] = kept
-            reserved = torch.arange(sinks, device=key_states.device)
-            self.keys.index_copy_(2, reserved, rotate(rope, self.sink_keys, rotations.sinks))
+        """A decoding step (`decode_plan`), all in place and with no host sync: each row's token into its slot,
+        the sinks rotated into their slots, the slot record advanced. index_copy_ and index_put_, which inductor
+        writes in place (a scatter_ copied whole buffers)."""
+        for buffer, new in ((self.keys, key_states), (self.values, value_states)):
+            if new.shape[0] == 1:
+                buffer.index_copy_(2, plan.write_slot, new)
+            else:
+                buffer[torch.arange(new.shape[0], device=new.device), :, plan.write_slot] = new[:, :, 0]
+        if self.geometry.sinks:
+            reserved = torch.arange(self.geometry.sinks, device=self.keys.device)
+            self.keys.index_copy_(2, reserved, self._rotated_sinks(rope, rotations.sinks))
         for mine, new in zip(self.slots.tensors(), plan.after.tensors()):
             mine.copy_(new)
         return self.keys, self.values
+
+    def _rotated_sinks(self, rope: RopeFn, cos_sin: CosSin) -> torch.Tensor:
+        """The sinks rotated at ``cos_sin``: ``a·cos + b·sin`` from the basis the general path found (three
+        operations instead of the family's function), else by the family's function."""
+        if self._basis is None:
+            return rotate(rope, self.sink_keys, cos_sin)
+        (a, b), (cos, sin) = self._basis, cos_sin
+        return a * cos.unsqueeze(1) + b * sin.unsqueeze(1)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return query_length, self.get_seq_length()  # a mask of the new tokens only (see `SinkCache`)
@@ -130,7 +139,7 @@ class SinkCacheLayer(CacheLayerMixin):
         return -1  # the stream is unbounded; the memory is not (see `SinkCache.capacity`)
 
     def reset(self) -> None:
-        self.keys = self.values = self.sink_keys = self.slots = None
+        self.keys = self.values = self.sink_keys = self.slots = self._basis = None
         self.is_initialized = False
 
     def state_dict(self) -> dict[str, Any]:
@@ -149,7 +158,8 @@ class SinkCacheLayer(CacheLayerMixin):
         if "keys" in state:
             self.keys, self.values, self.sink_keys = state["keys"], state["values"], state["sink_keys"]
             seen = torch.tensor(int(state["seen"]), device=state["index"].device)
-            self.slots = SlotRecord(state["index"], state["real_tokens"], state["base"], seen)
+            held = bool((state["real_tokens"] >= self.geometry.sinks).all())
+            self.slots = SlotRecord(state["index"], state["real_tokens"], state["base"], seen, held)
             self.dtype, self.device, self.is_initialized = self.keys.dtype, self.keys.device, True
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -160,6 +170,7 @@ class SinkCacheLayer(CacheLayerMixin):
     def _select_rows(self, select: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if self.slots is not None:
             self.keys, self.values, self.sink_keys = map(select, (self.keys, self.values, self.sink_keys))
+            self._basis = None if self._basis is None else tuple(map(select, self._basis))
             self.slots = self.slots.select_rows(select)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

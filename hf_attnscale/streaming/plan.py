@@ -53,12 +53,13 @@ class SlotRecord:
     real_tokens: torch.Tensor  # (B,): real tokens streamed per row
     base: torch.Tensor  # (B,): stored window keys are rotated at (index - base)
     seen: torch.Tensor  # 0-d: tokens streamed, padding included (what generate() slices its inputs by)
+    sinks_held: bool  # every row holds all its sinks: decoding steps then never store one (`decode_plan`)
 
     @classmethod
     def empty(cls, batch: int, sinks: int, device: torch.device) -> SlotRecord:
         """The record of a layer that holds nothing yet."""
         zeros = torch.zeros(batch, dtype=torch.long, device=device)
-        return cls(zeros[:, None].expand(-1, sinks) - 1, zeros, zeros, zeros.new_zeros(()))
+        return cls(zeros[:, None].expand(-1, sinks) - 1, zeros, zeros, zeros.new_zeros(()), sinks == 0)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """Every field (all tensors), in order."""
@@ -67,11 +68,13 @@ class SlotRecord:
     def same_as(self, other: SlotRecord) -> bool:
         """Whether both records hold the same slots."""
         pairs = zip(self.tensors(), other.tensors())
-        return all(a.shape == b.shape and torch.equal(a, b) for a, b in pairs)
+        same = all(a.shape == b.shape and torch.equal(a, b) for a, b in pairs)
+        return same and self.sinks_held == other.sinks_held
 
     def select_rows(self, select) -> SlotRecord:
         """The record of the rows ``select`` picks (beam search reorders, repeats and drops rows)."""
-        return SlotRecord(select(self.index), select(self.real_tokens), select(self.base), self.seen)
+        rows = (select(self.index), select(self.real_tokens), select(self.base))
+        return SlotRecord(*rows, self.seen, self.sinks_held)
 
 
 @dataclass(frozen=True)
@@ -179,7 +182,13 @@ def build_plan(
         visible = visible | torch.zeros_like(visible).scatter_(2, query_slot[:, :, None], padding)
     return StepPlan(
         geometry=geometry,
-        after=SlotRecord(after_index, real_tokens, base, before.seen + q_len),
+        after=SlotRecord(
+            after_index,
+            real_tokens,
+            base,
+            before.seen + q_len,
+            sinks == 0 or bool((real_tokens >= sinks).all()),
+        ),
         sink_channels=sink_channels,
         new_positions=new_positions,
         sink_offset=(-base if sink_channels else shift.amax(1) - base)[:, None],
@@ -196,29 +205,28 @@ def decode_plan(
     before: SlotRecord, new_valid: torch.Tensor, geometry: LayerGeometry, dtype: torch.dtype
 ) -> StepPlan:
     """Plan a decoding step (one new token per row; ``new_valid`` ``(B, 1)``) for layers whose slots are laid out
-    at the geometry's capacity, with no host sync, so that ``torch.compile`` takes it whole and a CUDA graph can
-    replay it. The slots are a ring: a token goes into its row's oldest window slot (a free one first: free
-    slots hold index -1), which the new token no longer sees, a sink into its reserved slot. A padding row's
-    token goes there too, marked free (its query reads nothing it needs: discarded, finite). The base does not
-    move (an exact `RopeTable` keeps any position exact; the general path rebases)."""
+    at the geometry's capacity and whose rows hold all their sinks, with no host sync, so that ``torch.compile``
+    takes it whole and a CUDA graph can replay it. The window slots are a ring: a token goes into its row's
+    oldest slot (a free one first: free slots hold index -1), which the new token no longer sees. A padding
+    row's token goes there too, marked free (its query reads nothing it needs: discarded, finite). The base does
+    not move (an exact `RopeTable` keeps any position exact; the general path rebases)."""
     sinks, capacity = geometry.sinks, geometry.capacity
-    token = before.real_tokens[:, None]  # (B, 1): the new token's index in its row, where it is real
-    new_index = token.masked_fill(~new_valid, -1)
-    oldest = before.index[:, sinks:].argmin(1, keepdim=True) + sinks
-    write_slot = torch.where(token < sinks, token, oldest)
+    new_index = before.real_tokens[:, None].masked_fill(~new_valid, -1)  # (B, 1): the new token's index
+    write_slot = before.index[:, sinks:].argmin(1, keepdim=True) + sinks
     key_index = before.index.scatter(1, write_slot, new_index)
     shift = (new_index - (capacity - 1)).clamp_min(0)
     base = before.base[:, None]
     visible = _visibility(key_index, new_index, shift, geometry, sink_channels=False)
+    real_tokens = before.real_tokens + new_valid[:, 0]
     return StepPlan(
         geometry=geometry,
-        after=SlotRecord(key_index, before.real_tokens + new_valid[:, 0], before.base, before.seen + 1),
+        after=SlotRecord(key_index, real_tokens, before.base, before.seen + 1, before.sinks_held),
         sink_channels=False,
         new_positions=(new_index - base).clamp_min(0),
         sink_offset=shift - base,
         query_offset=None,
         rebase=None,
-        new_sink_index=new_index.masked_fill(new_index >= sinks, -1),
+        new_sink_index=None,
         write_slot=write_slot[:, 0],
         keep_index=None,
         mask=additive_mask(visible, dtype)[:, None],

@@ -132,12 +132,13 @@ def _planned(
                 f"{new_valid.shape[0]}; use one cache per batch (or cache.reset())."
             )
         # Writing into the cache in place would break autograd's saved tensors; decoding steps write in place
-        # where the layer is laid out at its capacity, and the table keeps any position exact (they never rebase).
+        # where the layer is laid out at its capacity and holds its sinks, and the table keeps any position
+        # exact (they never rebase).
         laid_out = (
             layer is not None and layer.slots is not None and layer.keys.shape[2] == spec.geometry.capacity
         )
         no_grad = not torch.is_grad_enabled()
-        if new_valid.shape[1] == 1 and no_grad and laid_out and spec.table.exact:
+        if new_valid.shape[1] == 1 and no_grad and laid_out and slots.sinks_held and spec.table.exact:
             plan = decode_plan(slots, new_valid, spec.geometry, dtype)
         else:
             plan = build_plan(slots, new_valid, spec.geometry, dtype, call.all_valid, full_size=no_grad)

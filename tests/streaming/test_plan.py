@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from hf_attnscale.core.call.rope import rotate as rotate_keys
 from hf_attnscale.streaming.plan import LayerGeometry, SlotRecord, build_plan, decode_plan
-from hf_attnscale.streaming.rope import RopeTable
+from hf_attnscale.streaming.rope import RopeTable, rotation_basis
 
 
 def _visible_tokens(plan, key_index: torch.Tensor, row: int) -> set[int]:
@@ -36,7 +37,8 @@ def test_decoding_steps_show_each_query_what_the_definition_says(geometry, batch
     sinks, window, capacity = geometry.sinks, geometry.window, geometry.capacity
     slots, decoded = SlotRecord.empty(batch, sinks, torch.device("cpu")), 0
     for step in range(6 * capacity + 20):
-        if step % 17 == 0:  # a chunk with padding in some rows (appended, compacted, laid out at capacity)
+        if step % 17 == 0 or not slots.sinks_held:  # a chunk with padding in some rows, or a row short of its
+            # sinks: the general path (appended, compacted, laid out at capacity)
             new_valid = torch.rand(batch, 5, generator=generator) > 0.3
             new_valid[:, -1] = True
             plan = build_plan(slots, new_valid, geometry, torch.float32, all_valid=False, full_size=True)
@@ -81,3 +83,17 @@ def test_rope_table_computes_the_models_own_angles_in_float64():
     far = torch.tensor([[2**24 + 1]])
     angle = (2**24 + 1) * rotary.inv_freq.double()[0]
     assert table(far)[0][0, 0, 0].item() == pytest.approx(torch.cos(angle).item(), abs=1e-6)
+
+
+def test_rotation_basis_gives_the_familys_rotation_bitwise():
+    keys = torch.randn(2, 3, 4, 8)
+    cos_sin = tuple(f(torch.rand(2, 4, 8) * 6) for f in (torch.cos, torch.sin))
+    a, b = rotation_basis(apply_rotary_pos_emb, keys, cos_sin)
+    other = tuple(f(torch.rand(2, 4, 8) * 6) for f in (torch.cos, torch.sin))
+    assert torch.equal(
+        a * other[0].unsqueeze(1) + b * other[1].unsqueeze(1), rotate_keys(apply_rotary_pos_emb, keys, other)
+    )
+    # A rotation of another form (here: not linear in cos) has no basis, and keeps the usual path.
+    squared = lambda q, k, cos, sin: apply_rotary_pos_emb(q, k, cos * cos, sin)  # noqa: E731
+    assert rotation_basis(squared, keys, cos_sin) is None
+    assert rotation_basis(apply_rotary_pos_emb, keys, tuple(x[..., :4] for x in cos_sin)) is None  # partial
