@@ -261,7 +261,7 @@ class SinkCache(Cache):
         """Whether its decoding step compiles whole: ``generate()`` then compiles it by itself on CUDA, XPU and TPU
         (``generation_config.compile_config`` tunes it, or asks for it on the CPU). Every layer holds fixed shapes
         and writes in place; only a RoPE the stream cannot compute exactly at any position (Cohere's interleaved
-        one) keeps the general path, with its host syncs."""
+        one) keeps the general path, with its host syncs: the cache says so once the stream has met the model."""
         return self.spec is None or all(layer.table.exact for layer in self.spec.layers.values())
 
     @property

@@ -107,3 +107,15 @@ def test_generate_compiles_with_inductor():
     compiled = model.generate(ids, past_key_values=hfa.SinkCache(2, 6), compile_config=config, **arguments)
     assert torch.equal(compiled.sequences, eager.sequences)
     torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(eager.logits), atol=1e-5, rtol=0)
+
+
+def test_a_stream_whose_rope_the_table_cannot_compute_is_not_compileable():
+    """Cohere's interleaved RoPE keeps the general path (its positions are rebased there): once the stream
+    has met the model, its cache says it is not compileable, so a later generate() leaves the step eager (the
+    first one asks before the cache knows the model)."""
+    for model_type, compileable in (("cohere", False), ("llama", True)):
+        model, cache = hfa.patch(zoo_model(model_type)), hfa.SinkCache(2, 6)
+        assert cache.is_compileable  # before it meets a model, as generate() first asks
+        with torch.no_grad():
+            model(torch.randint(2, 50, (1, 9)), past_key_values=cache)
+        assert cache.is_compileable == compileable, model_type
