@@ -623,15 +623,17 @@ def checkpoint(args) -> str:
     return "\n".join(lines)
 
 
-def _annotated(owner, name: str, label: str) -> None:
-    """Wrap ``owner.name`` in a profiler range called ``label`` (the benchmark's own, the library unchanged)."""
-    function = getattr(owner, name)
+def _in_range(function, label: str):
+    """``function``, run inside a profiler range called ``label`` (the benchmark's own, the library unchanged)."""
 
     def wrapped(*args, **kwargs):
         with torch.profiler.record_function(label):
             return function(*args, **kwargs)
 
-    setattr(owner, name, wrapped)
+    return wrapped
+
+
+SINK_CHANNELS = "sink channels: each query's logits against the sinks"
 
 
 def profile(args) -> str:
@@ -655,18 +657,12 @@ def profile(args) -> str:
     }
     for label, places in stages.items():
         for owner, name in places:
-            _annotated(owner, name, label)
+            setattr(owner, name, _in_range(getattr(owner, name), label))
     channel_hooks = step_module._sink_channel_hooks
 
     def timed_hooks(*arguments):  # the sink channels' query logits
         hooks = channel_hooks(*arguments)
-        query = hooks.query
-
-        def timed(q):
-            with torch.profiler.record_function("sink channels: each query's logits against the sinks"):
-                return query(q)
-
-        return dataclasses.replace(hooks, query=timed)
+        return dataclasses.replace(hooks, query=_in_range(hooks.query, SINK_CHANNELS))
 
     step_module._sink_channel_hooks = timed_hooks
     model = build_model(args)
@@ -689,11 +685,7 @@ def profile(args) -> str:
                         model(ids[None, t : t + 1], past_key_values=cache)
             total = time.perf_counter() - started
         events = prof.key_averages()
-        parts = {
-            e.key: e.cpu_time_total / 1e6
-            for e in events
-            if e.key.split(":")[0] in {s.split(":")[0] for s in [*stages, "sink channels:"]}
-        }
+        parts = {e.key: e.cpu_time_total / 1e6 for e in events if e.key in {*stages, SINK_CHANNELS}}
         parts["attention kernel (sdpa)"] = (
             sum(
                 e.cpu_time_total

@@ -99,7 +99,8 @@ class SinkCacheLayer(CacheLayerMixin):
             # decoding steps write these in place: a fixed address lets a CUDA graph replay them (as StaticCache)
             for tensor in (self.keys, self.values, self.sink_keys, *self.slots.tensors()):
                 torch._dynamo.mark_static_address(tensor)
-            self._basis = rotation_basis(rope, sink_keys, rotations.sinks) if plan.after.sinks_held else None
+            if self._basis is None and plan.after.sinks_held:  # once held, the sinks never change
+                self._basis = rotation_basis(rope, sink_keys, rotations.sinks)
         return read
 
     def _decode(self, key_states, value_states, plan: StepPlan, rotations: Rotations, rope: RopeFn):
@@ -197,9 +198,10 @@ def _store_sinks(new_sink_index, key_states, value_states, sink_keys, values):
 
 
 def _with_sink_channels(keys: torch.Tensor, values: torch.Tensor, sink_keys: torch.Tensor):
-    """The keys of a call with sink channels: every slot's ``[k, 0]``, then one copy of each sink, one-hot in a channel of its own
-    (where the query carries its logit against that sink, `streaming.step`) and with the sink's value; the
-    values zero-padded to the keys' width, so that one call of the backend's fused kernel serves it."""
+    """The keys of a call with sink channels: every slot's ``[k, 0]``, then one copy of each sink, one-hot in a
+    channel of its own (where the query carries its logit against that sink, `streaming.step`) and with the
+    sink's value; the values zero-padded to the keys' width, so that one call of the backend's fused kernel
+    serves it."""
     batch, heads, sinks, dim = sink_keys.shape
     if values.shape[-1] != dim:
         raise ValueError("SinkCache's chunked path needs keys and values of the same head size.")

@@ -249,9 +249,8 @@ def _visibility(
     sink = real[..., :sinks]
     if geometry.local is not None:  # the layer's own window hides the sinks it sees further than it
         sink = sink & (distance[..., :sinks] - shift[:, :, None] < geometry.local)
-    if (
-        sink_channels
-    ):  # reserved slots hold the sinks at their true distance; the copies, at their sink distance
+    if sink_channels:
+        # reserved slots hold the sinks at their true distance; the copies, at their sink distance
         return torch.cat([in_window, sink & (distance[..., :sinks] >= geometry.window)], dim=-1)
     return in_window | F.pad(sink, (0, key_index.shape[1] - sinks))
 

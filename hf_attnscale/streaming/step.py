@@ -4,9 +4,10 @@ A patched RoPE attention module hands its step to the cache (`hf_attnscale.core.
 `attention_step`: the module's class forward, given the plan's cos/sin in place of the model's (so it rotates
 its queries and new keys at their positions inside the cache) and the plan's mask. The cache's ``update``
 stores the keys and returns every key the queries read. When queries of one chunk see the sinks at different
-distances (a plan with sink channels, `hf_attnscale.streaming.plan`), the call's query hook gives each query its logits
-against the sinks at its sink distance, one channel each, and its output hook drops the values' padding. The attention function is the core's wrapper, so
-log-n scaling (n counted from the plan's mask) and the exit compose with no special case.
+distances (a plan with sink channels, `hf_attnscale.streaming.plan`), the call's query hook gives each query its
+logits against the sinks at its sink distance, one channel each, and its output hook drops the values' padding.
+The attention function is the core's wrapper, so log-n scaling (n counted from the plan's mask) and the exit
+compose with no special case.
 """
 
 from __future__ import annotations
@@ -164,10 +165,10 @@ def new_token_validity(
 def _sink_channel_hooks(
     rope: RopeFn, rotations: Rotations, sink_keys: Callable[[], torch.Tensor]
 ) -> CallHooks:
-    """The hooks of a call with sink channels: each query gets one more channel per sink, holding its logit against that sink at
-    the query's sink distance (the query moved to ``m_q``, dotted with the sink as stored; ``sink_keys()`` reads
-    them once the call's update has stored them), which meets the sink's one-hot copy; the output's padding is
-    dropped."""
+    """The hooks of a call with sink channels: each query gets one more channel per sink, holding its logit
+    against that sink at the query's sink distance (the query moved to ``m_q``, dotted with the sink as stored;
+    ``sink_keys()`` reads them once the call's update has stored them), which meets the sink's one-hot copy; the
+    output's padding is dropped."""
 
     def query(q: torch.Tensor) -> torch.Tensor:
         moved, sinks = rope(q, q[:, :1], *rotations.query)[0], sink_keys()
