@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -24,10 +25,14 @@ from pathlib import Path
 
 import torch
 
-VARIANTS = {
-    "unpatched": {},
-    "ReRoPE + logn": {"rerope_window": 1024, "scale": "logn", "train_length": 8192},
+REROPE_LOGN = {"rerope_window": 1024, "scale": "logn", "train_length": 8192}
+VARIANTS = {  # name: (patch options, environment)
+    "unpatched": ({}, {}),
+    "ReRoPE + logn": (REROPE_LOGN, {}),
+    "ReRoPE + logn, public formulation": (REROPE_LOGN, {"HF_ATTNSCALE_FUSED_PARTS": "0"}),
 }
+"""The default ReRoPE takes the CPU's fused key parts (`hf_attnscale.core.call.key_parts`); the public
+formulation, doubled channels through public sdpa, is what accelerators run."""
 
 
 def child(variant: str, tokens: int, window: int, steps: int, threads: int) -> dict:
@@ -40,7 +45,7 @@ def child(variant: str, tokens: int, window: int, steps: int, threads: int) -> d
 
     path = hfa.fetch("smollm2-135m")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
-    options = {k: (window if k == "rerope_window" else v) for k, v in VARIANTS[variant].items()}
+    options = {k: (window if k == "rerope_window" else v) for k, v in VARIANTS[variant][0].items()}
     if options:
         hfa.patch(model, **options)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -82,17 +87,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--variants", nargs="*", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.tokens, args.window, args.steps, args.threads)))
         return
-    runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
+    runs: dict[str, list[dict]] = {name: [] for name in ["unpatched", *args.variants]}
     for repeat in range(args.repeats):
-        for name in VARIANTS:  # interleaved: each repeat runs every variant once, in a fresh process
+        for name in runs:  # interleaved: each repeat runs every variant once, in a fresh process
             command = [sys.executable, __file__, "--child", name]
             command += [f"--{k}={getattr(args, k)}" for k in ("tokens", "window", "steps", "threads")]
-            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            environment = {**os.environ, **VARIANTS[name][1]}
+            done = subprocess.run(command, capture_output=True, text=True, check=True, env=environment)
             runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(f"repeat {repeat + 1}/{args.repeats} {name}: {runs[name][-1]}", file=sys.stderr, flush=True)
     median = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}

@@ -39,9 +39,11 @@ from hf_attnscale.core.install.families import attention_modules
 from hf_attnscale.evaluation.corpus import builtin_documents
 from hf_attnscale.training.lm import train_tokenizer
 
-# The suite proves the exit's public formulation, the one every device runs; the CPU's fused kernel (on by
-# default for users) has its own tests, which turn it on (tests/core/test_fused_exit.py).
+# The suite proves the public formulations, the ones every device runs; the CPU's fused kernels (on by default
+# for users) have their own tests, which turn them on (tests/core/test_fused_exit.py, test_key_parts.py, and
+# test_rerope.py's "sdpa+fused").
 os.environ.setdefault("HF_ATTNSCALE_FUSED_EXIT", "0")
+os.environ.setdefault("HF_ATTNSCALE_FUSED_PARTS", "0")
 
 # Tiny models gain nothing from a second thread, and oversubscribed cores make them many times slower.
 torch.set_num_threads(1)

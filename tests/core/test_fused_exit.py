@@ -17,22 +17,22 @@ from core.test_exit import SHAPES, SINKS, Attention, exit_through_sdpa, visible_
 from reference import reference_attention
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from hf_attnscale.core.call import exit, fused_exit
+from hf_attnscale.core.call import cpu_flash, exit, fused_exit
 
 
 @pytest.fixture
 def fused(monkeypatch):
     """The fused path on, with no verdict kept from earlier tests; yields the kernel calls' counter."""
     monkeypatch.setenv(fused_exit.ENV_SWITCH, "1")
-    monkeypatch.setattr(fused_exit, "_verdicts", {})
+    monkeypatch.setattr(fused_exit.CHECK, "verdicts", {})
     calls = {"forward": 0}
-    kernel = fused_exit._flash_forward
+    kernel = cpu_flash.flash_forward
 
     def counting(*args):
         calls["forward"] += 1
         return kernel(*args)
 
-    monkeypatch.setattr(fused_exit, "_flash_forward", counting)
+    monkeypatch.setattr(cpu_flash, "flash_forward", counting)
     return calls
 
 
@@ -99,14 +99,14 @@ def test_the_checked_path_serves_and_remembers_its_verdict(fused):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         got = call(q, k, v, None, SINKS, True)
-    assert list(fused_exit._verdicts.values()) == [True]
+    assert list(fused_exit.CHECK.verdicts.values()) == [True]
     checked = fused["forward"]
     assert checked >= 2  # the check's run, then the call's
     call(q, k, v, None, SINKS, True)
-    assert fused["forward"] == checked + 1 and len(fused_exit._verdicts) == 1
+    assert fused["forward"] == checked + 1 and len(fused_exit.CHECK.verdicts) == 1
     torch.testing.assert_close(got, exit_through_sdpa(q, k, v, None, SINKS, True, 0.3), atol=1e-5, rtol=1e-5)
     call(q[:, :, -1:], k, v, None, SINKS, True)  # one query is another combination
-    assert len(fused_exit._verdicts) == 2
+    assert len(fused_exit.CHECK.verdicts) == 2
 
 
 @pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
@@ -116,7 +116,7 @@ def test_the_check_runs_inside_no_grad_and_inference_mode(context, fused):
     with warnings.catch_warnings(), context():
         warnings.simplefilter("error")
         got = call(q, k, v, None, SINKS, True)
-    assert list(fused_exit._verdicts.values()) == [True]
+    assert list(fused_exit.CHECK.verdicts.values()) == [True]
     torch.testing.assert_close(got, exit_through_sdpa(q, k, v, None, SINKS, True, 0.3), atol=1e-5, rtol=1e-5)
 
 
@@ -153,17 +153,17 @@ def _backward_lse_off_by_ln2(kernel):
 @pytest.mark.parametrize(
     ("stage", "fault"),
     [
-        ("_flash_forward", _lse_off_by_ln2),
-        ("_flash_forward", _transposed_output),
-        ("_flash_forward", _raising),
-        ("_flash_backward", _backward_lse_off_by_ln2),
+        ("flash_forward", _lse_off_by_ln2),
+        ("flash_forward", _transposed_output),
+        ("flash_forward", _raising),
+        ("flash_backward", _backward_lse_off_by_ln2),
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_injected_fault_falls_back_with_one_warning(stage, fault, dtype, fused, monkeypatch):
     """A faulty kernel fails the check: one warning, and the combination takes the public formulation from then
     on, so the results (forward and gradients) are exactly the public formulation's."""
-    monkeypatch.setattr(fused_exit, stage, fault(getattr(fused_exit, stage)))
+    monkeypatch.setattr(cpu_flash, stage, fault(getattr(cpu_flash, stage)))
     generator = torch.Generator().manual_seed(0)
     inputs = [
         (torch.randn(shape, generator=generator) * 2).to(dtype)
@@ -181,7 +181,7 @@ def test_an_injected_fault_falls_back_with_one_warning(stage, fault, dtype, fuse
         results.append((out, [t.grad for t in leaves], [str(w.message) for w in caught]))
     (got, got_grads, warned), (want, want_grads, _) = results
     assert len(warned) == 1 and "fused CPU exit failed its check" in warned[0], warned
-    assert list(fused_exit._verdicts.values()) == [False]
+    assert list(fused_exit.CHECK.verdicts.values()) == [False]
     assert torch.equal(got, want)
     for a, b in zip(got_grads, want_grads, strict=True):
         assert torch.equal(a, b)
@@ -198,7 +198,7 @@ def test_switched_off_or_not_served_never_reaches_the_kernel(fused, monkeypatch)
     fused_exit.exit_attention(sdpa_attention_forward, module, q, k, v, None, SINKS, True, dropout=0.1)
     monkeypatch.setenv(fused_exit.ENV_SWITCH, "0")
     fused_exit.exit_attention(sdpa_attention_forward, module, q, k, v, None, SINKS, True)
-    assert fused["forward"] == 0 and not fused_exit._verdicts
+    assert fused["forward"] == 0 and not fused_exit.CHECK.verdicts
 
 
 @pytest.mark.parametrize("feature", ["logn+zero_kv", "ssmax+sink_learnable"])
@@ -210,7 +210,7 @@ def test_a_patched_model_under_the_fused_exit_matches_reference(feature, fused):
     got, want = model_output(patched, **inputs), model_output(reference, **inputs)
     rows = inputs["attention_mask"].bool()
     torch.testing.assert_close(got[rows], want[rows], atol=1e-5, rtol=1e-5)
-    assert fused["forward"] > 0 and all(fused_exit._verdicts.values())
+    assert fused["forward"] > 0 and all(fused_exit.CHECK.verdicts.values())
     got[rows].square().mean().backward()
     want[rows].square().mean().backward()
     for state, ref in zip(states, refs, strict=True):

@@ -13,6 +13,7 @@ from model_zoo import zoo_model
 from reference import make_reference
 
 import hf_attnscale as hfa
+from hf_attnscale.core.call import cpu_flash, key_parts
 from hf_attnscale.core.install.families import attention_modules
 
 WINDOW, LEAK, LENGTH = 4, 3.0, 16
@@ -46,6 +47,26 @@ OPTIONS = {
 }
 
 
+@pytest.fixture
+def attn(request, monkeypatch):
+    """The backend by name. "sdpa+fused" is sdpa with the CPU's fused key parts on (the suite runs the public
+    formulation every device runs, tests/conftest.py); there the kernel must have done the work, and with a
+    clipped softmax, which it cannot serve, never."""
+    name, _, fused = request.param.partition("+")
+    monkeypatch.setenv(key_parts.ENV_SWITCH, "1" if fused else "0")
+    monkeypatch.setattr(key_parts.CHECK, "verdicts", {})
+    calls = []
+    kernel = cpu_flash.flash_forward
+    monkeypatch.setattr(cpu_flash, "flash_forward", lambda *args: calls.append(1) or kernel(*args))
+    yield name
+    if fused:
+        assert all(key_parts.CHECK.verdicts.values())
+        assert bool(calls) == ("clipped" not in request.node.name), len(calls)
+
+
+ATTNS = ["sdpa", "sdpa+fused", "eager"]
+
+
 def _pair(model, options):
     """(patched, reference) of ``model``, same weights."""
     reference = copy.deepcopy(model)
@@ -70,7 +91,7 @@ def _assert_matches(patched, reference, inputs):
     return got[rows]
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ATTNS, indirect=True)
 @pytest.mark.parametrize("option", list(OPTIONS))
 @pytest.mark.parametrize("model_type", list(DECODERS))
 def test_matches_reference(model_type, option, attn):
@@ -105,7 +126,7 @@ def test_families_of_their_own(model_type):
     _assert_matches(patched, reference, _inputs(vocab=min(vocab, 100)))
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ATTNS, indirect=True)
 def test_gradients_match_reference(attn):
     options = {"rerope_window": WINDOW, "rerope_leak": LEAK, "sink_logit": "learnable"}
     patched, reference = _pair(sharp_model("qwen2", attn), options)
@@ -140,7 +161,7 @@ def test_a_window_past_the_input_is_the_unpatched_model(model_type):
 
 
 @pytest.mark.parametrize("option", ["rerope", "leaky+zero_kv"])
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ATTNS, indirect=True)
 def test_generate_through_the_models_cache_equals_the_whole_forward(attn, option):
     """Each decoding step reads the raw keys its cache holds; its logits are the whole sequence's at that step."""
     model = hfa.patch(sharp_model("llama", attn), **OPTIONS[option])
@@ -165,8 +186,9 @@ def test_decoding_with_yarns_attention_scaling_and_no_mask(option):
     torch.testing.assert_close(torch.stack(out.logits, 1), whole[:, 5:-1], atol=1e-4, rtol=1e-4)
 
 
-def test_a_left_padded_batch_equals_each_prompt_alone():
-    model = hfa.patch(sharp_model("qwen2"), **OPTIONS["leaky"])
+@pytest.mark.parametrize("attn", ATTNS, indirect=True)
+def test_a_left_padded_batch_equals_each_prompt_alone(attn):
+    model = hfa.patch(sharp_model("qwen2", attn), **OPTIONS["leaky"])
     inputs = _inputs()
     with torch.no_grad():
         batch = model(**inputs).logits
@@ -174,11 +196,12 @@ def test_a_left_padded_batch_equals_each_prompt_alone():
     torch.testing.assert_close(batch[1, 3:], alone[0], atol=1e-5, rtol=1e-5)
 
 
-def test_long_input_runs_in_query_chunks(monkeypatch):
+@pytest.mark.parametrize("attn", ["sdpa", "sdpa+fused"], indirect=True)
+def test_long_input_runs_in_query_chunks(monkeypatch, attn):
     """A call longer than one chunk runs its queries in pieces, with the same result."""
     from hf_attnscale.core.call import rerope
 
-    patched, reference = _pair(sharp_model("llama"), OPTIONS["leaky"])
+    patched, reference = _pair(sharp_model("llama", attn), OPTIONS["leaky"])
     monkeypatch.setattr(rerope, "MASK_CHUNK", 5 * (LENGTH + WINDOW))  # 5 queries a chunk
     _assert_matches(patched, reference, _inputs())
 

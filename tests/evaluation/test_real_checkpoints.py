@@ -47,6 +47,7 @@ from hf_attnscale.checkpoints.real import (
     RegistryUnreachable,
     fetch_gguf,
 )
+from hf_attnscale.core.call import key_parts
 from hf_attnscale.core.install.families import attention_modules
 from hf_attnscale.evaluation.corpus import builtin_documents
 
@@ -167,18 +168,21 @@ RERoPE = {
 
 
 def _rerope_cases():
-    """SmolLM2 with ReRoPE + logn on sdpa in the default suite; the other seven cases under -m slow."""
+    """SmolLM2 with ReRoPE + logn on sdpa, public and fused, in the default suite; the other cases under -m slow."""
     for name in DECODERS:
         for option in RERoPE:
-            for attn in ("eager", "sdpa"):
-                default = (name, option, attn) == ("smollm2-135m", "rerope+logn", "sdpa")
+            for attn in ("eager", "sdpa", "sdpa+fused"):
+                default = (name, option) == ("smollm2-135m", "rerope+logn") and attn != "eager"
                 yield pytest.param(name, option, attn, marks=() if default else pytest.mark.slow)
 
 
 @pytest.mark.parametrize(("name", "option", "attn"), _rerope_cases())
-def test_rerope_equals_the_reference(loaded, name, option, attn):
+def test_rerope_equals_the_reference(loaded, name, option, attn, monkeypatch):
     """ReRoPE on the real weights against the reference that rotates raw q and k pair by pair (its own twin:
-    the reference replaces the model's rotary embedding by the identity)."""
+    the reference replaces the model's rotary embedding by the identity). "sdpa+fused": the CPU's fused key
+    parts, which the rest of the suite leaves off."""
+    attn, _, fused = attn.partition("+")
+    monkeypatch.setenv("HF_ATTNSCALE_FUSED_PARTS", "1" if fused else "0")
     case = loaded[name]
     reference = copy.deepcopy(case.model)
     make_reference(reference, {type(m).__name__ for m in attention_modules(reference)}, **RERoPE[option])
@@ -190,6 +194,8 @@ def test_rerope_equals_the_reference(loaded, name, option, attn):
     torch.testing.assert_close(got, want, atol=LOGIT_ATOL, rtol=0)
     moved = (got - case.plain[case.rows]).abs().max().item()
     assert moved > 100 * LOGIT_ATOL, f"ReRoPE moves the output by only {moved:.2e}"
+    if fused:  # the kernel served this model's heads, and passed its check
+        assert key_parts.CHECK.verdicts and all(key_parts.CHECK.verdicts.values())
 
 
 # ---------------------------------------------------------------------------------------------------------

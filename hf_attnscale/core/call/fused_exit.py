@@ -23,9 +23,6 @@ differ) takes the public formulation directly.
 from __future__ import annotations
 
 import math
-import os
-import threading
-import warnings
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
@@ -33,24 +30,11 @@ import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import repeat_kv
 
+from hf_attnscale.core.call import cpu_flash
 from hf_attnscale.core.call.exit import AttentionFn, sdpa_exit_attention
 from hf_attnscale.core.call.masks import additive_mask
 
 ENV_SWITCH = "HF_ATTNSCALE_FUSED_EXIT"
-
-
-def _flash_forward(query, key, value, is_causal, mask, scale):
-    """The kernel: ``(output (B, H, Tq, D), log-sum-exp (B, H, Tq))`` over the real keys."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, 0.0, is_causal, attn_mask=mask, scale=scale
-    )
-
-
-def _flash_backward(grad_out, query, key, value, out, lse, is_causal, mask, scale):
-    """The kernel's backward: ``(grad_query, grad_key, grad_value)``."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, query, key, value, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale
-    )
 
 
 class _FlashExit(torch.autograd.Function):
@@ -58,7 +42,7 @@ class _FlashExit(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, exit_logits, mask, is_causal, scale):
-        out, lse = _flash_forward(query, key, value, is_causal, mask, scale)
+        out, lse = cpu_flash.flash_forward(query, key, value, is_causal, mask, scale)
         weight = torch.sigmoid(lse.float() - exit_logits.float().view(1, -1, 1)).unsqueeze(-1)
         result = out.mul_(weight) if out.dtype == weight.dtype else (out.float() * weight).to(out.dtype)
         ctx.save_for_backward(query, key, value, result, lse, weight, mask)
@@ -75,7 +59,9 @@ class _FlashExit(torch.autograd.Function):
         grads = (None, None, None)
         if any(ctx.needs_input_grad[:3]):
             scaled = (grad.float() * weight).to(grad.dtype)
-            grads = _flash_backward(scaled, query, key, value, result, lse, ctx.is_causal, mask, ctx.scale)
+            grads = cpu_flash.flash_backward(
+                scaled, query, key, value, result, lse, ctx.is_causal, mask, ctx.scale
+            )
         return *grads, grad_exit, None, None, None
 
 
@@ -101,8 +87,7 @@ class Combination(NamedTuple):
     batched: bool
 
 
-_verdicts: dict[Combination, bool] = {}
-_lock = threading.Lock()
+CHECK = cpu_flash.FirstUseCheck("fused CPU exit", ENV_SWITCH)
 
 
 def exit_attention(
@@ -119,7 +104,9 @@ def exit_attention(
     """The exit under sdpa: the fused CPU kernel where it serves and has passed its check, else the public
     formulation (`sdpa_exit_attention`); arguments and result as there."""
     combination = _combination(module, query, key, value, mask, causal, kwargs)
-    if combination is None or not _passes(combination, backend_fn, module, kwargs):
+    if combination is None or not CHECK.passes(
+        combination, lambda: _check(combination, backend_fn, module, kwargs.get("scaling"))
+    ):
         return sdpa_exit_attention(backend_fn, module, query, key, value, mask, exit_logits, causal, **kwargs)
     return fused_exit_attention(module, query, key, value, mask, exit_logits, causal, kwargs.get("scaling"))
 
@@ -151,10 +138,7 @@ def fused_exit_attention(
 def _combination(module, query, key, value, mask, causal, kwargs) -> Combination | None:
     """What the check must cover for this call, or None where the fused path does not serve it."""
     if (
-        query.device.type != "cpu"
-        or torch.compiler.is_compiling()  # the public formulation, which a graph takes whole
-        or os.environ.get(ENV_SWITCH, "1") == "0"
-        or torch.is_autocast_enabled("cpu")
+        not cpu_flash.serves_cpu(query, ENV_SWITCH)
         or kwargs.get("dropout", 0.0)
         or kwargs.get("softcap") is not None
         or query.shape[-1] != value.shape[-1]
@@ -179,26 +163,6 @@ def _combination(module, query, key, value, mask, causal, kwargs) -> Combination
         queries=queries,
         batched=query.shape[0] > 1,
     )
-
-
-def _passes(combination: Combination, backend_fn, module, kwargs) -> bool:
-    """Whether ``combination`` has passed its first-use check (running it now if it has not run)."""
-    verdict = _verdicts.get(combination)
-    if verdict is None:
-        with _lock:
-            verdict = _verdicts.get(combination)
-            if verdict is None:
-                with torch.inference_mode(False), torch.enable_grad():  # the caller may be in either
-                    reason = _check(combination, backend_fn, module, kwargs.get("scaling"))
-                verdict = _verdicts[combination] = reason is None
-                if reason is not None:
-                    warnings.warn(
-                        f"hf_attnscale: the fused CPU exit failed its check for {combination} ({reason}); that "
-                        f"combination uses the public sdpa formulation from now on ({ENV_SWITCH}=0 skips the check).",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
-    return verdict
 
 
 def _check(combination: Combination, backend_fn, module, scaling) -> str | None:
@@ -239,11 +203,5 @@ def _check(combination: Combination, backend_fn, module, scaling) -> str | None:
     except Exception as error:  # any failure of the kernel means: do not use it
         return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
-    for name, a, b in zip(
-        ("output", "dq", "dk", "dv", "dexit"), (fused, *fused_grads), (public, *public_grads)
-    ):
-        scale = b.float().abs().max().item() + 1e-6
-        error = (a.float() - b.float()).abs().max().item() / scale
-        if not error <= tolerance:  # NaN fails too
-            return f"{name} differs by {error:.2g} of its size"
-    return None
+    names = ("output", "dq", "dk", "dv", "dexit")
+    return cpu_flash.compare((fused, *fused_grads), (public, *public_grads), names, tolerance)

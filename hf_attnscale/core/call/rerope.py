@@ -9,11 +9,11 @@ A query at position i and a key at j, ``d = i − j`` apart, are scored at dista
 
 The patched module's forward runs with the identity rotation (`hf_attnscale.core.install.routing`), so the
 call receives raw queries and keys, and its cache stores raw keys; here they are rotated both ways. Each query
-chunk is one call of the backend on doubled channels (the near copy of a key ``[R(j) k, 0]``, the far copy
-``[0, k]``, each query ``[R(i) q, R(w) q]``) under a dense mask that shows each key once, near or far: plain
-public attention, which PyTorch differentiates by itself. A chunk of queries [a, a + c) only ever sees near keys
-in [a − w + 1, a + c) and far keys before a + c − w, so no T × T tensor is ever held, and the queries' work is
-about a + 2c keys' worth.
+chunk's keys are two parts under one softmax (`hf_attnscale.core.call.key_parts`): the far keys ``k``, scored by
+``R(w) q``, and the near ones ``R(j) k``, scored by ``R(i) q``, each shown to the queries it is far or near to.
+On the CPU the flash kernel runs each part at the model's width and merges them by their log-sum-exp; elsewhere
+the parts go side by side on doubled channels, one public call. A chunk of queries [a, a + c) only ever sees
+near keys in [a − w + 1, a + c) and far keys before a + c − w, so no T × T tensor is ever held.
 
 Positions are counted in the cache (the queries are its last ones): a row's distances are those of its tokens
 whenever its positions are consecutive, left padding included (the padding is masked).
@@ -21,19 +21,14 @@ whenever its positions are consecutive, left padding included (the padding is ma
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from hf_attnscale.core.call.masks import additive_mask, visible_entries
+from hf_attnscale.core.call.key_parts import KeyPart, PartsFn
+from hf_attnscale.core.call.masks import visible_entries
 from hf_attnscale.core.call.rope import CosSin, RopeFn, RotaryFrequencies, rotate
 
-ChunkFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]
-]
-"""Attention over one chunk: ``(q, k, v, additive mask) -> ((B, c, H, Dv) output, weights or None)``."""
 MASK_CHUNK = 2**24
 """Mask entries per chunk call (queries × keys): 64 MiB of a float32 mask, 1,024 queries at 16k keys."""
 
@@ -58,7 +53,7 @@ class ReRoPECall:
 
 
 def rerope_attention(
-    attend: ChunkFn,
+    attend: PartsFn,
     call: ReRoPECall,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -93,7 +88,6 @@ def rerope_attention(
         far_k = (
             key if unscaled else rotate(call.rope, key, call.frequencies.cos_sin(positions[:, :1] * 0, dtype))
         )
-    dim, dim_v = query.shape[-1], value.shape[-1]
     # Queries per chunk: at most a window's (a chunk's keys past the causal edge are its own, so the work stays
     # within a window's worth of dense causal attention) and a mask of at most MASK_CHUNK entries.
     rows = max(1, min(window, MASK_CHUNK // (k_len + window)))
@@ -102,34 +96,31 @@ def rerope_attention(
         stop = min(q_len, start + rows)
         first, last = past + start, past + stop - 1  # the chunk's query positions
         far_end = max(0, min(k_len, last - window + 1))  # keys [0, far_end) may be far for some query
-        near_start = max(0, first - window + 1)  # keys [near_start, last] may be near
+        near_start, near_end = max(0, first - window + 1), last + 1  # near keys, up to the causal edge
         q_pos = torch.arange(first, last + 1, device=device)[:, None]
         visible = _visible(mask, start, stop, k_len, q_pos, sliding_window, device)
-        far_keys = torch.arange(far_end, device=device)
-        near_end = last + 1  # causal: no later key is seen
         near_keys = torch.arange(near_start, near_end, device=device)
-        far_mask = visible[..., :far_end] & (q_pos - far_keys >= window)
-        near_mask = visible[..., near_start:near_end] & (q_pos - near_keys < window)
-        keys = torch.cat(
-            [
-                F.pad(far_k[:, :, :far_end], (dim, 0)),
-                F.pad(near_k[:, :, near_start - lowest : near_end - lowest], (0, dim)),
-            ],
-            2,
-        )
-        # Values as wide as the keys (zeros beyond Dv): sdpa's fused CPU and GPU kernels take one head dim only.
-        values = F.pad(
-            torch.cat([value[:, :, :far_end], value[:, :, near_start:near_end]], dim=2), (0, 2 * dim - dim_v)
-        )
-        queries = torch.cat([near_q[:, :, start:stop], far_q[:, :, start:stop]], dim=-1)
-        shown = torch.cat([far_mask, near_mask], dim=-1)
-        additive = additive_mask(shown, dtype)
-        out, _ = attend(queries, keys, values, additive)
-        outs.append(out[..., :dim_v])
+        parts = [
+            KeyPart(
+                near_q[:, :, start:stop],
+                near_k[:, :, near_start - lowest : near_end - lowest],
+                value[:, :, near_start:near_end],
+                visible[..., near_start:near_end] & (q_pos - near_keys < window),
+            )
+        ]
+        if far_end:
+            far_keys = torch.arange(far_end, device=device)
+            far_visible = visible[..., :far_end] & (q_pos - far_keys >= window)
+            parts.insert(
+                0, KeyPart(far_q[:, :, start:stop], far_k[:, :, :far_end], value[:, :, :far_end], far_visible)
+            )
+        outs.append(attend(parts))
     return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0].contiguous()
 
 
-def _decode(attend, call, query, key, value, mask, sliding_window, positions) -> torch.Tensor:
+def _decode(
+    attend: PartsFn, call: ReRoPECall, query, key, value, mask, sliding_window, positions
+) -> torch.Tensor:
     """One query (a decoding step, at position i = the cache's last), one backend call at the model's own head
     dim, on the keys in their order, values untouched. The query is turned to the window, ``R(w) q``, so a far
     key is scored as it is stored (``(R(w) q) · k``) and only the w near keys turn, by ``j − i + w``
@@ -154,13 +145,8 @@ def _decode(attend, call, query, key, value, mask, sliding_window, positions) ->
         leaky = at(positions[:, :far_end] - i - window * (call.leak - 1), dtype, call.leak)
         far = rotate(call.rope, key[:, :, :far_end], leaky)
     keys = torch.cat([far, near], dim=2)
-    if mask is None and not sliding_window:
-        additive = None
-    else:
-        shown = _visible(mask, 0, 1, k_len, positions[:, -1:].view(1, 1), sliding_window, query.device)
-        additive = additive_mask(shown, dtype)
-    out, _ = attend(query, keys, value, additive)
-    return out
+    shown = _visible(mask, 0, 1, k_len, positions[:, -1:].view(1, 1), sliding_window, query.device)
+    return attend([KeyPart(query, keys, value, shown)])
 
 
 def _visible(mask, start, stop, k_len, q_pos, sliding_window, device) -> torch.Tensor:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hf_attnscale.core.call import key_parts
 from hf_attnscale.core.call.backends import Backend
 from hf_attnscale.core.call.clipped import clipped_softmax_attention
 from hf_attnscale.core.call.exit import AttentionFn
@@ -105,12 +106,22 @@ def scaled_attention(
     rerope = None if hooks is None else hooks.rerope
     if rerope is None:
         out, weights = attend(query, key, value, attention_mask)
-    else:  # ReRoPE: the backend runs on each chunk's doubled channels, under the chunk's dense mask
+    else:  # ReRoPE: each chunk's near and far keys, under one softmax
         sliding_window = kwargs.pop("sliding_window", None)
         kwargs["is_causal"] = False
-        chunk = lambda q, k, v, mask: attend(q, k, v, mask, causal=False)  # noqa: E731
+        fusable = (
+            backend.cpu_flash
+            and config.clipped_softmax is None
+            and not kwargs.get("dropout")
+            and kwargs.get("position_bias") is None
+        )
+
+        def attend_parts(parts):
+            chunk = lambda q, k, v, mask: attend(q, k, v, mask, causal=False)  # noqa: E731
+            return key_parts.attention(chunk, parts, exit_logits, kwargs.get("scaling"), fusable=fusable)
+
         out = rerope_attention(
-            chunk, rerope, query, key, value, attention_mask, sliding_window=sliding_window
+            attend_parts, rerope, query, key, value, attention_mask, sliding_window=sliding_window
         )
         weights = None
     if hooks is not None and hooks.output is not None:

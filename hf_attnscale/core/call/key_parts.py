@@ -1,0 +1,253 @@
+"""One softmax over keys that come in parts, each part scored by its own queries (ReRoPE's near and far keys).
+
+A `KeyPart` is queries, keys, values and which keys each query sees. Row i's scores are ``q_p[i] · k_p[j]`` for
+every visible key j of every part p, and one softmax (with the exit, where there is one) runs over all of them.
+Two formulations:
+
+* `joined`, public, on every device: the parts side by side on their own channels, one backend call. The
+  queries are ``[q_1, q_2, …]``, a key of part p is ``k_p`` on part p's channels and zeros elsewhere, and the
+  values are zero-padded to the same width (sdpa's fused kernels take one head dim). It costs the kernel P times
+  the channels.
+* `fused_parts`, the CPU's, guarded: PyTorch's CPU flash kernel once per part at the model's own width, each
+  returning its output ``o_p`` and log-sum-exp ``l_p``; with ``L = logsumexp(l_1, l_2, …, s)`` (s the exit's
+  logit), the result is ``y = Σ_p exp(l_p − L) · o_p``. Backward is the kernel's own, once per part, fed ``y``
+  and ``L``: it recomputes each part's probabilities as ``exp(scores − L)``, the whole softmax's, and its row
+  term as ``rowsum(dy · y)``, the whole row's, so every part's gradient is exact. The exit's logit gets
+  ``−Σ rowsum(dy · y) · exp(s − L)``.
+
+`attention` takes the fused path where it serves and its combination has passed its first-use check
+(`hf_attnscale.core.call.cpu_flash`) against the plain formula in float64, else the public one.
+``HF_ATTNSCALE_FUSED_PARTS=0`` turns the fused path off. A row that sees no key of any part (a padding query)
+gets a finite output that no real token reads, under either formulation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import repeat_kv
+
+from hf_attnscale.core.call import cpu_flash
+from hf_attnscale.core.call.masks import additive_mask
+
+ENV_SWITCH = "HF_ATTNSCALE_FUSED_PARTS"
+
+ChunkFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]
+]
+"""The backend's call on one chunk: ``(q, k, v, additive mask) -> ((B, c, H, Dv) output, weights or None)``."""
+
+
+class KeyPart(NamedTuple):
+    """Keys scored by their own queries: q ``(B, H, c, D)``, k ``(B, Hkv, n, D)``, v ``(B, Hkv, n, Dv)``, and
+    ``visible``, bool, broadcastable to ``(B, H, c, n)``."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    visible: torch.Tensor
+
+
+PartsFn = Callable[[Sequence[KeyPart]], torch.Tensor]
+"""Attention over key parts: ``parts -> (B, c, H, Dv)``."""
+
+
+def joined(parts: Sequence[KeyPart]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The parts as one call on side-by-side channels: ``(q, k, v, visible)``, v zero-padded to the queries'
+    width (at least Dv)."""
+    count, dim, dim_v = len(parts), parts[0].query.shape[-1], parts[0].value.shape[-1]
+    query = torch.cat([part.query for part in parts], dim=-1) if count > 1 else parts[0].query
+    key = torch.cat(
+        [F.pad(part.key, (index * dim, (count - 1 - index) * dim)) for index, part in enumerate(parts)], dim=2
+    )
+    width = max(count * dim, dim_v)
+    value = F.pad(torch.cat([part.value for part in parts], dim=2), (0, width - dim_v))
+    shape = torch.broadcast_shapes(*(part.visible.shape[:-1] for part in parts))
+    visible = torch.cat([part.visible.expand(*shape, part.visible.shape[-1]) for part in parts], dim=-1)
+    return query, key, value, visible
+
+
+def public_parts(attend: ChunkFn, parts: Sequence[KeyPart]) -> torch.Tensor:
+    """The public formulation: one call of ``attend`` on the joined parts, ``(B, c, H, Dv)``."""
+    query, key, value, visible = joined(parts)
+    out, _ = attend(query, key, value, additive_mask(visible, query.dtype))
+    return out[..., : parts[0].value.shape[-1]]
+
+
+def attention(
+    attend: ChunkFn,
+    parts: Sequence[KeyPart],
+    exit_logits: torch.Tensor | None,
+    scaling: float | None,
+    *,
+    fusable: bool,
+) -> torch.Tensor:
+    """One softmax over ``parts`` (with the exit of per-head logits ``exit_logits``, if any), ``(B, c, H, Dv)``:
+    fused where ``fusable`` (the backend is sdpa, with nothing the kernel lacks: no dropout, no clipped softmax),
+    there are parts to merge, and the combination has passed its check; else through ``attend``, the backend's
+    own call with the exit (one part: at the model's width, as a decoding step's keys are)."""
+    combination = _combination(parts, exit_logits) if fusable and len(parts) > 1 else None
+    if combination is None or not CHECK.passes(combination, lambda: _check(combination, scaling)):
+        return public_parts(attend, parts)
+    return fused_parts(parts, exit_logits, scaling)
+
+
+class Combination(NamedTuple):
+    """What the first-use check covers: one verdict per combination."""
+
+    dtype: str
+    head_dim: int
+    heads: int
+    kv_heads: int
+    masks: tuple[tuple[bool, bool], ...]  # per part: whether its mask differs by row of the batch, by head
+    exit: bool
+    batched: bool
+
+
+CHECK = cpu_flash.FirstUseCheck("fused CPU key parts", ENV_SWITCH)
+
+
+def _combination(parts: Sequence[KeyPart], exit_logits: torch.Tensor | None) -> Combination | None:
+    first = parts[0]
+    if not cpu_flash.serves_cpu(first.query, ENV_SWITCH) or any(
+        part.query.shape[-1] != part.value.shape[-1]
+        or part.key.dtype != first.query.dtype
+        or part.value.dtype != first.query.dtype
+        or part.key.shape[2] == 0
+        for part in parts
+    ):
+        return None
+    return Combination(
+        dtype=str(first.query.dtype),
+        head_dim=first.query.shape[-1],
+        heads=first.query.shape[1],
+        kv_heads=first.key.shape[1],
+        masks=tuple((part.visible.shape[0] > 1, part.visible.shape[1] > 1) for part in parts),
+        exit=exit_logits is not None,
+        batched=first.query.shape[0] > 1,
+    )
+
+
+class _MergedParts(torch.autograd.Function):
+    """``y = Σ_p exp(l_p − L) · o_p`` from the kernel, forward and backward. Inputs: the scale, the parts'
+    additive masks, the exit's logits (or None), then each part's q, k, v, all ``(B, H, ·, D)``."""
+
+    @staticmethod
+    def forward(ctx, scale, masks, exit_logits, *tensors):
+        outs, lses = [], []
+        for index, mask in enumerate(masks):
+            query, key, value = tensors[3 * index : 3 * index + 3]
+            out, lse = cpu_flash.flash_forward(query, key, value, False, mask, scale)
+            outs.append(out)
+            lses.append(lse.float())
+        if exit_logits is not None:
+            lses.append(exit_logits.float().view(1, -1, 1).expand_as(lses[0]))
+        total = torch.logsumexp(torch.stack(lses), dim=0)
+        result = sum((out.float() * (lse - total).exp().unsqueeze(-1) for out, lse in zip(outs, lses)))
+        result = result.to(outs[0].dtype)
+        ctx.save_for_backward(*tensors, *masks, result, total, exit_logits)
+        ctx.scale, ctx.count = scale, len(masks)
+        return result
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved, count = ctx.saved_tensors, ctx.count
+        tensors, masks = saved[: 3 * count], saved[3 * count : 4 * count]
+        result, total, exit_logits = saved[4 * count :]
+        grad_exit = None
+        if exit_logits is not None and ctx.needs_input_grad[2]:
+            rows = (grad.float() * result.float()).sum(-1)
+            grad_exit = -(rows * (exit_logits.float().view(1, -1, 1) - total).exp()).sum((0, 2))
+        grads = []
+        for index, mask in enumerate(masks):
+            query, key, value = tensors[3 * index : 3 * index + 3]
+            grads.extend(
+                cpu_flash.flash_backward(
+                    grad.contiguous(), query, key, value, result, total, False, mask, ctx.scale
+                )
+            )
+        return None, None, grad_exit, *grads
+
+
+def fused_parts(
+    parts: Sequence[KeyPart], exit_logits: torch.Tensor | None, scaling: float | None
+) -> torch.Tensor:
+    """The fused formulation, unchecked, ``(B, c, H, D)``."""
+    dtype, heads = parts[0].query.dtype, parts[0].query.shape[1]
+    scale = parts[0].query.shape[-1] ** -0.5 if scaling is None else scaling
+    masks = tuple(additive_mask(part.visible, dtype) for part in parts)
+    tensors = []
+    for part in parts:
+        groups = heads // part.key.shape[1]
+        tensors.extend((part.query, repeat_kv(part.key, groups), repeat_kv(part.value, groups)))
+    out = _MergedParts.apply(scale, masks, exit_logits, *tensors)
+    return out.transpose(1, 2)
+
+
+def plain_parts(
+    parts: Sequence[KeyPart], exit_logits: torch.Tensor | None, scaling: float | None
+) -> torch.Tensor:
+    """The definition, in the inputs' dtype: every part's scores, the exit's column, one softmax, ``(B, c, H, Dv)``."""
+    heads = parts[0].query.shape[1]
+    scale = parts[0].query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores, values = [], []
+    for part in parts:
+        key = repeat_kv(part.key, heads // part.key.shape[1])
+        score = part.query @ key.transpose(-1, -2) * scale
+        scores.append(score.masked_fill(~part.visible, -math.inf))
+        values.append(repeat_kv(part.value, heads // part.value.shape[1]))
+    if exit_logits is not None:
+        scores.append(exit_logits.to(scores[0].dtype).view(1, -1, 1, 1).expand(*scores[0].shape[:-1], 1))
+    weights = torch.softmax(torch.cat(scores, dim=-1), dim=-1)[..., : sum(v.shape[2] for v in values)]
+    return (weights @ torch.cat(values, dim=2)).transpose(1, 2)
+
+
+def _check(combination: Combination, scaling: float | None) -> str | None:
+    """The fused path against `plain_parts` in float64 on a small sharp input, forward and backward; None if
+    they agree, else why not."""
+    dtype = getattr(torch, combination.dtype.removeprefix("torch."))
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, dim = 2 if combination.batched else 1, combination.heads, combination.head_dim
+    queries, spread = 5, 3 / math.sqrt(math.sqrt(dim))
+
+    def sample(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to(dtype).requires_grad_()
+
+    parts = []
+    for index, (per_batch, per_head) in enumerate(combination.masks):
+        keys = 7 - 3 * (index % 2)
+        visible = (
+            torch.rand(
+                batch if per_batch else 1, heads if per_head else 1, queries, keys, generator=generator
+            )
+            < 0.7
+        )
+        visible[..., 0] = index == 0  # every row sees a key of the first part; none sees the second's first
+        key = sample(batch, combination.kv_heads, keys, dim, scale=spread)
+        value = sample(batch, combination.kv_heads, keys, dim)
+        parts.append(KeyPart(sample(batch, heads, queries, dim, scale=spread), key, value, visible))
+    if len(parts) > 1:
+        parts[-1].visible[..., -1, :] = False  # a row that sees no key of a part
+    if combination.exit:
+        for part in parts:
+            part.visible[..., 1, :] = False  # a row that sees the exit only
+    exit_logits = (torch.linspace(-1.0, 3.0, heads) + 1.0).requires_grad_() if combination.exit else None
+    leaves = [t for part in parts for t in part[:3]] + ([exit_logits] if exit_logits is not None else [])
+    try:
+        fused = fused_parts(parts, exit_logits, scaling)
+        cotangent = torch.randn(fused.shape, generator=generator).to(dtype)
+        fused_grads = torch.autograd.grad(fused, leaves, cotangent)
+        doubles = [KeyPart(*(t.double() for t in part[:3]), part.visible) for part in parts]
+        plain = plain_parts(doubles, None if exit_logits is None else exit_logits.double(), scaling)
+        plain_grads = torch.autograd.grad(plain, leaves, cotangent.double())
+    except Exception as error:  # any failure of the kernel means: do not use it
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    names = ("output", *(f"{g}{i}" for i in range(len(parts)) for g in ("dq", "dk", "dv")), "dexit")
+    return cpu_flash.compare(
+        (fused, *fused_grads), (plain, *plain_grads), names[: 1 + len(leaves)], tolerance
+    )
