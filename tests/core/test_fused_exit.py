@@ -150,15 +150,16 @@ def _backward_lse_off_by_ln2(kernel):
     return faulty
 
 
-@pytest.mark.parametrize(
-    ("stage", "fault"),
-    [
-        ("flash_forward", _lse_off_by_ln2),
-        ("flash_forward", _transposed_output),
-        ("flash_forward", _raising),
-        ("flash_backward", _backward_lse_off_by_ln2),
-    ],
-)
+FAULTS = [
+    ("flash_forward", _lse_off_by_ln2),
+    ("flash_forward", _transposed_output),
+    ("flash_forward", _raising),
+    ("flash_backward", _backward_lse_off_by_ln2),
+]
+"""Faults injected into `hf_attnscale.core.call.cpu_flash`: (which function, what wraps it)."""
+
+
+@pytest.mark.parametrize(("stage", "fault"), FAULTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_injected_fault_falls_back_with_one_warning(stage, fault, dtype, fused, monkeypatch):
     """A faulty kernel fails the check: one warning, and the combination takes the public formulation from then

@@ -4,12 +4,12 @@ injected faults; and what never reaches the kernel."""
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import pytest
 import torch
 from core.test_exit import Attention
+from core.test_fused_exit import FAULTS
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hf_attnscale.core.call import cpu_flash, exit, key_parts
@@ -141,29 +141,7 @@ def test_checked_once_then_fused(switched_on):
     assert list(key_parts.CHECK.verdicts.values()) == [True] and len(switched_on) == checked + 2
 
 
-def _lse_off_by_ln2(kernel):
-    return lambda *args: (lambda out, lse: (out, lse + math.log(2)))(*kernel(*args))
-
-
-def _backward_lse_off_by_ln2(kernel):
-    return lambda grad, q, k, v, out, lse, *rest: kernel(grad, q, k, v, out, lse + math.log(2), *rest)
-
-
-def _raising(kernel):
-    def fails(*args):
-        raise RuntimeError("kernel unavailable")
-
-    return fails
-
-
-@pytest.mark.parametrize(
-    ("stage", "fault"),
-    [
-        ("flash_forward", _lse_off_by_ln2),
-        ("flash_backward", _backward_lse_off_by_ln2),
-        ("flash_forward", _raising),
-    ],
-)
+@pytest.mark.parametrize(("stage", "fault"), FAULTS)
 def test_a_kernel_that_disagrees_is_caught_and_never_used(switched_on, monkeypatch, stage, fault):
     """An injected fault in the kernel fails the check: one warning, and the public formulation's result, the
     gradients too, from then on."""
