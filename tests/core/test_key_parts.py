@@ -30,7 +30,9 @@ def definition(parts, sinks, scaling=SCALING):
                 logits, values = [], []
                 for part in parts:
                     kv = h // (heads // part.key.shape[1])
-                    shown = part.visible.expand(batch, heads, queries, part.key.shape[2])[b, h, i]
+                    every = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+                    mask = every if part.visible is None else part.visible
+                    shown = mask.expand(batch, heads, queries, part.key.shape[2])[b, h, i]
                     logits.append(part.key[b, kv, shown] @ part.query[b, h, i] * scaling)
                     values.append(part.value[b, kv, shown])
                 if sinks is not None:
@@ -41,7 +43,7 @@ def definition(parts, sinks, scaling=SCALING):
     return torch.stack(rows).view(batch, heads, queries, -1).transpose(1, 2)
 
 
-def sample_parts(per_batch=True, key_counts=(9, 5), seed=0):
+def sample_parts(per_batch=True, key_counts=(9, 5), seed=0, unmasked_first=False):
     """Sharp q/k (GQA) and masks where a padded row of the batch sees fewer keys, and (of two parts or more) one
     query row sees no key of the last part."""
     generator = torch.Generator().manual_seed(seed)
@@ -54,6 +56,8 @@ def sample_parts(per_batch=True, key_counts=(9, 5), seed=0):
         parts.append(KeyPart(query, key, value, visible))
     if len(parts) > 1:
         parts[-1].visible[..., 2, :] = False
+    if unmasked_first:  # every query sees the first part's every key
+        parts[0] = parts[0]._replace(visible=None)
     return parts
 
 
@@ -90,10 +94,14 @@ def leaves_of(parts, sinks):
 
 @pytest.mark.parametrize("formulation", [fused, public])
 @pytest.mark.parametrize("sinks", [None, SINKS], ids=["no exit", "exit"])
-@pytest.mark.parametrize("key_counts", [(9, 5), (7,)], ids=["two parts", "one part"])
-def test_matches_the_definition(formulation, sinks, key_counts):
+@pytest.mark.parametrize(
+    ("key_counts", "unmasked_first"),
+    [((9, 5), False), ((9, 5), True), ((7,), False), ((7,), True)],
+    ids=["two parts", "two parts, the first unmasked", "one part", "one part, unmasked"],
+)
+def test_matches_the_definition(formulation, sinks, key_counts, unmasked_first):
     """Output and every gradient (each part's q, k, v and the exit's logits), fp32, to 1e-5 of their size."""
-    parts = sample_parts(key_counts=key_counts)
+    parts = sample_parts(key_counts=key_counts, unmasked_first=unmasked_first)
     mine, my_sink, my_leaves = leaves_of(parts, sinks)
     theirs, their_sink, their_leaves = leaves_of(parts, sinks)
     got, want = formulation(mine, my_sink), definition(theirs, their_sink)
@@ -139,6 +147,11 @@ def test_checked_once_then_fused(switched_on):
     checked = len(switched_on)
     through_attention(parts, SINKS)
     assert list(key_parts.CHECK.verdicts.values()) == [True] and len(switched_on) == checked + 2
+    unmasked = sample_parts(unmasked_first=True)  # a part without a mask: a combination of its own
+    torch.testing.assert_close(
+        through_attention(unmasked, None), definition(unmasked, None), atol=1e-5, rtol=1e-5
+    )
+    assert list(key_parts.CHECK.verdicts.values()) == [True, True]
 
 
 @pytest.mark.parametrize(("stage", "fault"), FAULTS)

@@ -44,12 +44,12 @@ ChunkFn = Callable[
 
 class KeyPart(NamedTuple):
     """Keys scored by their own queries: q ``(B, H, c, D)``, k ``(B, Hkv, n, D)``, v ``(B, Hkv, n, Dv)``, and
-    ``visible``, bool, broadcastable to ``(B, H, c, n)``."""
+    ``visible``, bool, broadcastable to ``(B, H, c, n)``, or None where every query sees every key."""
 
     query: torch.Tensor
     key: torch.Tensor
     value: torch.Tensor
-    visible: torch.Tensor
+    visible: torch.Tensor | None
 
 
 PartsFn = Callable[[Sequence[KeyPart]], torch.Tensor]
@@ -66,13 +66,26 @@ def joined(parts: Sequence[KeyPart]) -> tuple[torch.Tensor, torch.Tensor, torch.
     )
     width = max(count * dim, dim_v)
     value = F.pad(torch.cat([part.value for part in parts], dim=2), (0, width - dim_v))
-    shape = torch.broadcast_shapes(*(part.visible.shape[:-1] for part in parts))
-    visible = torch.cat([part.visible.expand(*shape, part.visible.shape[-1]) for part in parts], dim=-1)
+    masks = [part.visible for part in parts if part.visible is not None]
+    shape = torch.broadcast_shapes((1, 1, query.shape[2]), *(mask.shape[:-1] for mask in masks))
+    visible = torch.cat(
+        [
+            torch.ones(1, 1, 1, 1, dtype=torch.bool, device=query.device).expand(*shape, part.key.shape[2])
+            if part.visible is None
+            else part.visible.expand(*shape, part.visible.shape[-1])
+            for part in parts
+        ],
+        dim=-1,
+    )
     return query, key, value, visible
 
 
 def public_parts(attend: ChunkFn, parts: Sequence[KeyPart]) -> torch.Tensor:
-    """The public formulation: one call of ``attend`` on the joined parts, ``(B, c, H, Dv)``."""
+    """The public formulation: one call of ``attend`` on the joined parts, ``(B, c, H, Dv)``; no mask where there
+    is one part that every query sees whole (transformers' sdpa then takes grouped heads as they are)."""
+    if len(parts) == 1 and parts[0].visible is None:
+        out, _ = attend(*parts[0][:3], None)
+        return out
     query, key, value, visible = joined(parts)
     out, _ = attend(query, key, value, additive_mask(visible, query.dtype))
     return out[..., : parts[0].value.shape[-1]]
@@ -103,7 +116,9 @@ class Combination(NamedTuple):
     head_dim: int
     heads: int
     kv_heads: int
-    masks: tuple[tuple[bool, bool], ...]  # per part: whether its mask differs by row of the batch, by head
+    masks: tuple[
+        tuple[bool, bool] | None, ...
+    ]  # per part: None (no mask), or whether it differs by row, by head
     exit: bool
     batched: bool
 
@@ -126,7 +141,10 @@ def _combination(parts: Sequence[KeyPart], exit_logits: torch.Tensor | None) -> 
         head_dim=first.query.shape[-1],
         heads=first.query.shape[1],
         kv_heads=first.key.shape[1],
-        masks=tuple((part.visible.shape[0] > 1, part.visible.shape[1] > 1) for part in parts),
+        masks=tuple(
+            None if part.visible is None else (part.visible.shape[0] > 1, part.visible.shape[1] > 1)
+            for part in parts
+        ),
         exit=exit_logits is not None,
         batched=first.query.shape[0] > 1,
     )
@@ -179,7 +197,7 @@ def fused_parts(
     """The fused formulation, unchecked, ``(B, c, H, D)``."""
     dtype, heads = parts[0].query.dtype, parts[0].query.shape[1]
     scale = parts[0].query.shape[-1] ** -0.5 if scaling is None else scaling
-    masks = tuple(additive_mask(part.visible, dtype) for part in parts)
+    masks = tuple(None if part.visible is None else additive_mask(part.visible, dtype) for part in parts)
     tensors = []
     for part in parts:
         groups = heads // part.key.shape[1]
@@ -198,7 +216,7 @@ def plain_parts(
     for part in parts:
         key = repeat_kv(part.key, heads // part.key.shape[1])
         score = part.query @ key.transpose(-1, -2) * scale
-        scores.append(score.masked_fill(~part.visible, -math.inf))
+        scores.append(score if part.visible is None else score.masked_fill(~part.visible, -math.inf))
         values.append(repeat_kv(part.value, heads // part.value.shape[1]))
     if exit_logits is not None:
         scores.append(exit_logits.to(scores[0].dtype).view(1, -1, 1, 1).expand(*scores[0].shape[:-1], 1))
@@ -218,23 +236,22 @@ def _check(combination: Combination, scaling: float | None) -> str | None:
         return (torch.randn(*shape, generator=generator) * scale).to(dtype).requires_grad_()
 
     parts = []
-    for index, (per_batch, per_head) in enumerate(combination.masks):
+    for index, mask in enumerate(combination.masks):
         keys = 7 - 3 * (index % 2)
-        visible = (
-            torch.rand(
-                batch if per_batch else 1, heads if per_head else 1, queries, keys, generator=generator
-            )
-            < 0.7
-        )
-        visible[..., 0] = index == 0  # every row sees a key of the first part; none sees the second's first
+        visible = None
+        if mask is not None:
+            shape = (batch if mask[0] else 1, heads if mask[1] else 1, queries, keys)
+            visible = torch.rand(shape, generator=generator) < 0.7
+            visible[..., 0] = (
+                index == 0
+            )  # every row sees a key of the first part; none sees the second's first
+            if index == len(combination.masks) - 1 > 0:
+                visible[..., -1, :] = False  # a row that sees no key of a part
+            if combination.exit and all(combination.masks):
+                visible[..., 1, :] = False  # a row that sees the exit only
         key = sample(batch, combination.kv_heads, keys, dim, scale=spread)
         value = sample(batch, combination.kv_heads, keys, dim)
         parts.append(KeyPart(sample(batch, heads, queries, dim, scale=spread), key, value, visible))
-    if len(parts) > 1:
-        parts[-1].visible[..., -1, :] = False  # a row that sees no key of a part
-    if combination.exit:
-        for part in parts:
-            part.visible[..., 1, :] = False  # a row that sees the exit only
     exit_logits = (torch.linspace(-1.0, 3.0, heads) + 1.0).requires_grad_() if combination.exit else None
     leaves = [t for part in parts for t in part[:3]] + ([exit_logits] if exit_logits is not None else [])
     try:

@@ -145,7 +145,9 @@ def _decode(
         leaky = at(positions[:, :far_end] - i - window * (call.leak - 1), dtype, call.leak)
         far = rotate(call.rope, key[:, :, :far_end], leaky)
     keys = torch.cat([far, near], dim=2)
-    shown = _visible(mask, 0, 1, k_len, positions[:, -1:].view(1, 1), sliding_window, query.device)
+    shown = None  # no mask where the model passed none: the backend takes grouped heads as they are
+    if mask is not None or sliding_window:
+        shown = _visible(mask, 0, 1, k_len, positions[:, -1:].view(1, 1), sliding_window, query.device)
     return attend([KeyPart(query, keys, value, shown)])
 
 
