@@ -12,11 +12,11 @@ Backward is the kernel's own, fed ``y`` for its output and ``w·dy`` for its gra
 ``D = rowsum(dO·O)`` becomes ``w²·rowsum(dy·o)``, which is exactly ``D`` less the gradient that reaches the
 scores through ``lse``; the exit logit's gradient is ``−Σ rowsum(dy·y)·(1 − w)``.
 
-The kernel is private, so nothing is trusted unchecked: each combination it would serve (dtype, head dim, heads
-and key-value heads, mask kind, causal, one query or many, batch) is run once, at its first use, forward and
-backward on a small input against the public formulation. A mismatch or an error gives one warning, and that
-combination takes the public formulation for the rest of the process. ``HF_ATTNSCALE_FUSED_EXIT=0`` turns the
-fused path off. Everything else (accelerators, autocast, dropout, a learnable mask, a soft-cap, head dims that
+The kernel is private, so nothing is trusted unchecked (`hf_attnscale.core.call.cpu_flash`): each combination
+it would serve (dtype, head dim, heads and key-value heads, mask kind, causal, one query or many, batch) is run
+once, at its first use, forward and backward on a small input against the public formulation. A mismatch or an
+error gives one warning, and that combination takes the public formulation for the rest of the process.
+``HF_ATTNSCALE_FUSED_EXIT=0`` turns the fused path off. Everything else (accelerators, autocast, dropout, a learnable mask, a soft-cap, head dims that
 differ) takes the public formulation directly.
 """
 
