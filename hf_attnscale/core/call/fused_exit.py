@@ -16,8 +16,8 @@ The kernel is private, so nothing is trusted unchecked (`hf_attnscale.core.call.
 it would serve (dtype, head dim, heads and key-value heads, mask kind, causal, one query or many, batch) is run
 once, at its first use, forward and backward on a small input against the public formulation. A mismatch or an
 error gives one warning, and that combination takes the public formulation for the rest of the process.
-``HF_ATTNSCALE_FUSED_EXIT=0`` turns the fused path off. Everything else (accelerators, autocast, dropout, a learnable mask, a soft-cap, head dims that
-differ) takes the public formulation directly.
+``HF_ATTNSCALE_FUSED_EXIT=0`` turns the fused path off. Everything else (accelerators, autocast, dropout, a
+learnable mask, a soft-cap, head dims that differ) takes the public formulation directly.
 """
 
 from __future__ import annotations
