@@ -37,7 +37,7 @@ def definition(parts, sinks, scaling=SCALING):
                     values.append(part.value[b, kv, shown])
                 if sinks is not None:
                     logits.append(sinks[h].view(1).to(logits[0].dtype))
-                    values.append(torch.zeros_like(values[0][:1]))
+                    values.append(parts[0].value.new_zeros(1, parts[0].value.shape[-1]))
                 weights = torch.softmax(torch.cat(logits), dim=0)
                 rows.append(weights @ torch.cat(values))
     return torch.stack(rows).view(batch, heads, queries, -1).transpose(1, 2)
@@ -115,6 +115,27 @@ def test_matches_the_definition(formulation, sinks, key_counts, unmasked_first):
         assert (a - b).abs().max() <= 1e-5 * (b.abs().max() + 1e-6)
 
 
+def test_across_the_kernels_blocks():
+    """More keys than one of the kernel's key blocks (512) and more queries than one query block: forward and
+    backward against the definition, with rows that see no key of one part or the other."""
+    generator = torch.Generator().manual_seed(5)
+    parts = []
+    for index, count in enumerate((700, 90)):
+        query = torch.randn(1, HEADS, 70, DIM, generator=generator) * 2
+        key, value = (torch.randn(1, KV_HEADS, count, DIM, generator=generator) * 2 for _ in range(2))
+        visible = torch.rand(1, 1, 70, count, generator=generator) < 0.7
+        visible[..., index::2, :] = False
+        parts.append(KeyPart(query, key, value, visible))
+    mine, my_sink, my_leaves = leaves_of(parts, SINKS)
+    theirs, their_sink, their_leaves = leaves_of(parts, SINKS)
+    got, want = fused(mine, my_sink), definition(theirs, their_sink)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for a, b in zip(
+        torch.autograd.grad(got.sum(), my_leaves), torch.autograd.grad(want.sum(), their_leaves), strict=True
+    ):
+        assert (a - b).abs().max() <= 1e-5 * (b.abs().max() + 1e-6)
+
+
 def test_a_row_that_sees_only_the_exit_is_zero():
     parts = sample_parts()
     for part in parts:
@@ -179,14 +200,17 @@ def test_a_kernel_that_disagrees_is_caught_and_never_used(switched_on, monkeypat
 
 
 def test_what_never_reaches_the_kernel(switched_on, monkeypatch):
-    """Not fusable (clipped softmax, dropout), autocast, a head dim of values unlike the queries', the switch
-    off, an accelerator (here: meta, whose combination is None): the public formulation, unchecked."""
+    """Not fusable (clipped softmax, dropout, soft-cap), autocast, a head dim of values unlike the queries',
+    float64, a mask that is not 4D, the switch off, an accelerator (here: meta, whose combination is None): the public formulation, unchecked."""
     parts = sample_parts()
     through_attention(parts, None, fusable=False)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         through_attention(parts, None)
     wide = [part._replace(value=torch.cat([part.value, part.value], -1)) for part in parts]
     through_attention(wide, None)
+    through_attention([KeyPart(*(t.double() for t in part[:3]), part.visible) for part in parts], None)
+    flat = [part._replace(visible=part.visible[0, 0]) for part in parts]  # a 2D mask: its shape is not read
+    through_attention(flat, None)
     monkeypatch.setenv(key_parts.ENV_SWITCH, "0")
     through_attention(parts, None)
     assert not switched_on and not key_parts.CHECK.verdicts

@@ -3,7 +3,8 @@
 Two fast CPU paths use the kernel: the exit (`hf_attnscale.core.call.fused_exit`) and keys in parts
 (`hf_attnscale.core.call.key_parts`, ReRoPE's near and far keys). The kernel is private, so neither trusts it
 unchecked: each combination of shapes and options a path would serve runs once, at its first use, forward and
-backward on a small sharp input against the path's public formulation (a `FirstUseCheck`). A mismatch or an
+backward on a sharp input against a reference (the exit: its public formulation; key parts: the plain formula in
+float64), in a `FirstUseCheck`. A mismatch or an
 error gives one warning, and that combination takes the public formulation for the rest of the process. Each
 path has its own switch in the environment (``=0`` turns it off).
 """
@@ -53,7 +54,7 @@ class FirstUseCheck:
         self._lock = threading.Lock()
 
     def passes(self, combination: Hashable, check: Callable[[], str | None]) -> bool:
-        """Whether ``combination`` has passed; ``check`` (None if the fast path agrees with the public one, else
+        """Whether ``combination`` has passed; ``check`` (None if the fast path agrees with its reference, else
         the reason) runs at its first use, with gradients on whatever mode the caller is in."""
         verdict = self.verdicts.get(combination)
         if verdict is None:

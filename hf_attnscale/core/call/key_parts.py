@@ -81,10 +81,11 @@ def joined(parts: Sequence[KeyPart]) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 def public_parts(attend: ChunkFn, parts: Sequence[KeyPart]) -> torch.Tensor:
-    """The public formulation: one call of ``attend`` on the joined parts, ``(B, c, H, Dv)``; no mask where there
-    is one part that every query sees whole (transformers' sdpa then takes grouped heads as they are)."""
-    if len(parts) == 1 and parts[0].visible is None:
-        out, _ = attend(*parts[0][:3], None)
+    """The public formulation: one call of ``attend`` on the joined parts, ``(B, c, H, Dv)``. One part goes as it
+    is, with no mask where every query sees it whole (transformers' sdpa then takes grouped heads as they are)."""
+    if len(parts) == 1:  # nothing to join: the keys and values as they are
+        query, key, value, visible = parts[0]
+        out, _ = attend(query, key, value, None if visible is None else additive_mask(visible, query.dtype))
         return out
     query, key, value, visible = joined(parts)
     out, _ = attend(query, key, value, additive_mask(visible, query.dtype))
@@ -100,9 +101,10 @@ def attention(
     fusable: bool,
 ) -> torch.Tensor:
     """One softmax over ``parts`` (with the exit of per-head logits ``exit_logits``, if any), ``(B, c, H, Dv)``:
-    fused where ``fusable`` (the backend is sdpa, with nothing the kernel lacks: no dropout, no clipped softmax),
-    there are parts to merge, and the combination has passed its check; else through ``attend``, the backend's
-    own call with the exit (one part: at the model's width, as a decoding step's keys are)."""
+    fused where ``fusable`` (the backend is sdpa, with nothing the kernel lacks: no dropout, soft-cap, position
+    bias or clipped softmax), there are parts to merge, their tensors are float32, bfloat16 or float16 with one
+    head dim and 4D masks, and the combination has passed its check; else through ``attend``, the backend's own
+    call with the exit (one part: at the model's width, as a decoding step's keys are)."""
     combination = _combination(parts, exit_logits) if fusable and len(parts) > 1 else None
     if combination is None or not CHECK.passes(combination, lambda: _check(combination, scaling)):
         return public_parts(attend, parts)
@@ -116,20 +118,27 @@ class Combination(NamedTuple):
     head_dim: int
     heads: int
     kv_heads: int
-    masks: tuple[
-        tuple[bool, bool] | None, ...
-    ]  # per part: None (no mask), or whether it differs by row, by head
+    masks: tuple[tuple[bool, bool] | None, ...]
+    """Per part: None (no mask), or whether its mask differs by row of the batch, by head."""
     exit: bool
     batched: bool
 
 
+SERVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CHECK = cpu_flash.FirstUseCheck("fused CPU key parts", ENV_SWITCH)
 
 
 def _combination(parts: Sequence[KeyPart], exit_logits: torch.Tensor | None) -> Combination | None:
     first = parts[0]
-    if not cpu_flash.serves_cpu(first.query, ENV_SWITCH) or any(
+    if (
+        not cpu_flash.serves_cpu(first.query, ENV_SWITCH)
+        or first.query.dtype not in SERVED_DTYPES  # float64: the merge and its check are float32's
+    ) or any(
         part.query.shape[-1] != part.value.shape[-1]
+        or (
+            part.visible is not None
+            and (part.visible.dim() != 4 or part.visible.shape[2] != part.query.shape[2])
+        )
         or part.key.dtype != first.query.dtype
         or part.value.dtype != first.query.dtype
         or part.key.shape[2] == 0
@@ -180,13 +189,11 @@ class _MergedParts(torch.autograd.Function):
         if exit_logits is not None and ctx.needs_input_grad[2]:
             rows = (grad.float() * result.float()).sum(-1)
             grad_exit = -(rows * (exit_logits.float().view(1, -1, 1) - total).exp()).sum((0, 2))
-        grads = []
+        grads, grad = [], grad.contiguous()
         for index, mask in enumerate(masks):
             query, key, value = tensors[3 * index : 3 * index + 3]
             grads.extend(
-                cpu_flash.flash_backward(
-                    grad.contiguous(), query, key, value, result, total, False, mask, ctx.scale
-                )
+                cpu_flash.flash_backward(grad, query, key, value, result, total, False, mask, ctx.scale)
             )
         return None, None, grad_exit, *grads
 
@@ -225,46 +232,49 @@ def plain_parts(
 
 
 def _check(combination: Combination, scaling: float | None) -> str | None:
-    """The fused path against `plain_parts` in float64 on a small sharp input, forward and backward; None if
-    they agree, else why not."""
-    dtype = getattr(torch, combination.dtype.removeprefix("torch."))
-    generator = torch.Generator().manual_seed(0)
-    batch, heads, dim = 2 if combination.batched else 1, combination.heads, combination.head_dim
-    queries, spread = 5, 3 / math.sqrt(math.sqrt(dim))
-
-    def sample(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=generator) * scale).to(dtype).requires_grad_()
-
-    parts = []
-    for index, mask in enumerate(combination.masks):
-        keys = 7 - 3 * (index % 2)
-        visible = None
-        if mask is not None:
-            shape = (batch if mask[0] else 1, heads if mask[1] else 1, queries, keys)
-            visible = torch.rand(shape, generator=generator) < 0.7
-            visible[..., 0] = (
-                index == 0
-            )  # every row sees a key of the first part; none sees the second's first
-            if index == len(combination.masks) - 1 > 0:
-                visible[..., -1, :] = False  # a row that sees no key of a part
-            if combination.exit and all(combination.masks):
-                visible[..., 1, :] = False  # a row that sees the exit only
-        key = sample(batch, combination.kv_heads, keys, dim, scale=spread)
-        value = sample(batch, combination.kv_heads, keys, dim)
-        parts.append(KeyPart(sample(batch, heads, queries, dim, scale=spread), key, value, visible))
-    exit_logits = (torch.linspace(-1.0, 3.0, heads) + 1.0).requires_grad_() if combination.exit else None
-    leaves = [t for part in parts for t in part[:3]] + ([exit_logits] if exit_logits is not None else [])
+    """The fused path against `plain_parts` in float64, forward and backward, on a sharp input as large as the
+    kernel's blocks (more than 512 keys, more than 64 queries), with rows that see no key of a part and, with
+    the exit, a row that sees the exit only; None if they agree, else why not."""
     try:
+        parts, exit_logits = _sample(combination)
+        leaves = [t for part in parts for t in part[:3]] + ([exit_logits] if exit_logits is not None else [])
         fused = fused_parts(parts, exit_logits, scaling)
-        cotangent = torch.randn(fused.shape, generator=generator).to(dtype)
+        cotangent = torch.randn(fused.shape, generator=torch.Generator().manual_seed(1)).to(fused.dtype)
         fused_grads = torch.autograd.grad(fused, leaves, cotangent)
         doubles = [KeyPart(*(t.double() for t in part[:3]), part.visible) for part in parts]
         plain = plain_parts(doubles, None if exit_logits is None else exit_logits.double(), scaling)
         plain_grads = torch.autograd.grad(plain, leaves, cotangent.double())
     except Exception as error:  # any failure of the kernel means: do not use it
         return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    tolerance = 1e-5 if fused.dtype == torch.float32 else 3e-2
     names = ("output", *(f"{g}{i}" for i in range(len(parts)) for g in ("dq", "dk", "dv")), "dexit")
     return cpu_flash.compare(
         (fused, *fused_grads), (plain, *plain_grads), names[: 1 + len(leaves)], tolerance
     )
+
+
+def _sample(combination: Combination) -> tuple[list[KeyPart], torch.Tensor | None]:
+    """The check's input: the parts (their q, k, v taking gradients) and the exit's logits."""
+    dtype = getattr(torch, combination.dtype.removeprefix("torch."))
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, dim = 2 if combination.batched else 1, combination.heads, combination.head_dim
+    queries, spread = 80, 3 / math.sqrt(math.sqrt(dim))
+
+    def sample(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to(dtype).requires_grad_()
+
+    parts = []
+    for index, mask in enumerate(combination.masks):
+        keys = 600 if index == 0 else 70
+        visible = None
+        if mask is not None:
+            shape = (batch if mask[0] else 1, heads if mask[1] else 1, queries, keys)
+            visible = torch.rand(shape, generator=generator) < 0.7
+            visible[..., index :: len(combination.masks), :] = False  # rows that see no key of this part
+            if combination.exit and all(combination.masks):
+                visible[..., -1, :] = False  # a row that sees the exit only
+        key = sample(batch, combination.kv_heads, keys, dim, scale=spread)
+        value = sample(batch, combination.kv_heads, keys, dim)
+        parts.append(KeyPart(sample(batch, heads, queries, dim, scale=spread), key, value, visible))
+    exit_logits = (torch.linspace(-1.0, 3.0, heads) + 1.0).requires_grad_() if combination.exit else None
+    return parts, exit_logits

@@ -11,8 +11,9 @@ The patched module's forward runs with the identity rotation (`hf_attnscale.core
 call receives raw queries and keys, and its cache stores raw keys; here they are rotated both ways. Each query
 chunk's keys are two parts under one softmax (`hf_attnscale.core.call.key_parts`): the far keys ``k``, scored by
 ``R(w) q``, and the near ones ``R(j) k``, scored by ``R(i) q``, each shown to the queries it is far or near to.
-On the CPU the flash kernel runs each part at the model's width and merges them by their log-sum-exp; elsewhere
-the parts go side by side on doubled channels, one public call. A chunk of queries [a, a + c) only ever sees
+On the CPU under sdpa the flash kernel runs each part at the model's width and the parts merge by their
+log-sum-exp; elsewhere (accelerators, eager, a clipped softmax, dropout, float64) the parts go side by side on
+doubled channels, one call of the backend. A chunk with no far keys is one call at the model's width. A chunk of queries [a, a + c) only ever sees
 near keys in [a − w + 1, a + c) and far keys before a + c − w, so no T × T tensor is ever held.
 
 Positions are counted in the cache (the queries are its last ones): a row's distances are those of its tokens

@@ -113,6 +113,7 @@ def scaled_attention(
             backend.cpu_flash
             and config.clipped_softmax is None
             and not kwargs.get("dropout")
+            and kwargs.get("softcap") is None
             and kwargs.get("position_bias") is None
         )
 
