@@ -35,6 +35,7 @@ VARIANTS = {
     "logn+zero_kv": {"scale": "logn", "train_length": 512, "zero_kv": True},
     "logn+sink": {"scale": "logn", "train_length": 512, "sink_logit": "learnable"},
     "logn+zero_kv public": {"scale": "logn", "train_length": 512, "zero_kv": True},
+    "rerope+logn": {"rerope_window": 1024, "scale": "logn", "train_length": 512},
 }
 PUBLIC = {"logn+zero_kv public"}
 """Variants whose exit takes the public formulation, as on accelerators (the CPU's fused kernel switched off);
@@ -63,8 +64,21 @@ SHAPES = {
         "tie_word_embeddings": True,
         "max_position_embeddings": 131072,
     },
+    "smollm2-135m-shape": {  # HuggingFaceTB/SmolLM2-135M's config.json, random weights (no download)
+        "vocab_size": 49152,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "rope_theta": 100000.0,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 8192,
+    },
 }
-"""Model shapes: the CPU benchmark's small Llama, and Llama-3.2-1B's for the GPU (issue #12)."""
+"""Model shapes: the CPU benchmark's small Llama, Llama-3.2-1B's for the GPU (issue #12), and SmolLM2-135M's
+for ReRoPE's cost on a machine that cannot fetch the checkpoint (`bench_rerope.py --shape`)."""
 
 
 REAL = ("smollm2-135m",)

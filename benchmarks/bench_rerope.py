@@ -1,14 +1,19 @@
-"""ReRoPE's cost on the real SmolLM2-135M (issue 55): one forward over ``--tokens`` tokens and a decode step after
-it, patched with ReRoPE (+ logn) against the unpatched model, each variant in a fresh process, interleaved,
-medians of ``--repeats`` runs:
+"""ReRoPE's cost on SmolLM2-135M (issue 55): one forward over ``--tokens`` tokens and a decode step after it,
+patched with ReRoPE (+ logn) against the unpatched model, each variant in a fresh process, interleaved, medians
+of ``--repeats`` runs:
 
     python benchmarks/bench_rerope.py --tokens 16384 --repeats 3
+    python benchmarks/bench_rerope.py --device cuda --shape smollm2-135m-shape --variants "ReRoPE + logn"
 
-Per process: the model is loaded (float32, sdpa), ``--tokens`` tokens of held-out stdlib text go through one
-forward with the model's own ``DynamicCache`` (``logits_to_keep=1``: the vocabulary's logits are not what is
-measured), then ``--steps`` greedy decode steps through that cache. Time is wall time; memory is the process's
-peak resident set during the forward (Linux's VmHWM, reset just before it), less its resident set before it. Threads: ``--threads`` (default 1).
-A smoke run: ``--tokens 256 --window 64 --steps 2 --repeats 1``.
+Per process: the model is loaded (float32, sdpa), ``--tokens`` tokens go through one forward with the model's
+own ``DynamicCache`` (``logits_to_keep=1``: the vocabulary's logits are not what is measured), then ``--steps``
+greedy decode steps through that cache. ``--shape smollm2-135m`` (the default) is the real checkpoint on
+held-out stdlib text; ``smollm2-135m-shape`` is its shape with random weights and random tokens, for a machine
+that cannot fetch it (time does not depend on the weights). Time is wall time; on CUDA, synchronised, and of a
+second pass after a first that warms the kernels up. Memory:
+on the CPU the process's peak resident set during the forward (Linux's VmHWM, reset just before it), less its
+resident set before it; on CUDA ``torch.cuda.max_memory_allocated`` during the forward, less what was allocated
+before it. Threads: ``--threads`` (default 1). A smoke run: ``--tokens 256 --window 64 --steps 2 --repeats 1``.
 """
 
 from __future__ import annotations
@@ -35,38 +40,62 @@ VARIANTS = {  # name: (patch options, environment)
 formulation, doubled channels through public sdpa, is what accelerators run."""
 
 
-def child(variant: str, tokens: int, window: int, steps: int, threads: int) -> dict:
+OPTIONS = ("tokens", "window", "steps", "threads", "shape", "device")
+"""The options a child process takes, in `child`'s order."""
+
+
+def child(variant: str, tokens: int, window: int, steps: int, threads: int, shape: str, device: str) -> dict:
     """One measurement, in this fresh process."""
     torch.set_num_threads(threads)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+    from bench_overhead import build_model
+    from transformers import AutoTokenizer
 
     import hf_attnscale as hfa
     from hf_attnscale.evaluation.corpus import builtin_documents
 
-    path = hfa.fetch("smollm2-135m")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    model = build_model(device, torch.float32, shape).eval()
     options = {k: (window if k == "rerope_window" else v) for k, v in VARIANTS[variant][0].items()}
     if options:
         hfa.patch(model, **options)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    text = "\n".join(doc.text for doc in builtin_documents("heldout"))
-    ids = tokenizer(text, return_tensors="pt").input_ids[:, :tokens]
-    assert ids.shape[1] == tokens, f"the held-out text has only {ids.shape[1]} tokens"
-    Path("/proc/self/clear_refs").write_text(
-        "5"
-    )  # Linux: the peak resident set (VmHWM) starts again from now
-    resident = _status_kib("VmRSS")
+    if shape == "smollm2-135m":
+        tokenizer = AutoTokenizer.from_pretrained(hfa.fetch(shape))
+        text = "\n".join(doc.text for doc in builtin_documents("heldout"))
+        ids = tokenizer(text, return_tensors="pt").input_ids[:, :tokens]
+        assert ids.shape[1] == tokens, f"the held-out text has only {ids.shape[1]} tokens"
+    else:
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, model.config.vocab_size, (1, tokens), generator=generator)
+    ids, cuda = ids.to(device), device.startswith("cuda")
+    measures = [measure(model, ids, steps, cuda) for _ in range(2 if cuda else 1)]  # CUDA: warmed up first
+    return measures[-1]
+
+
+def measure(model, ids: torch.Tensor, steps: int, cuda: bool) -> dict:
+    """One forward over ``ids`` through a fresh cache, then ``steps`` greedy decode steps."""
+    from transformers import DynamicCache
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        resident = torch.cuda.memory_allocated() / 2**10
+    else:
+        Path("/proc/self/clear_refs").write_text("5")  # Linux: the peak resident set (VmHWM) starts again
+        resident = _status_kib("VmRSS")
     with torch.no_grad():
+        sync()
         started = time.perf_counter()
         out = model(input_ids=ids, past_key_values=DynamicCache(config=model.config), logits_to_keep=1)
+        sync()
         forward = time.perf_counter() - started
-        peak = _status_kib("VmHWM")
+        peak = torch.cuda.max_memory_allocated() / 2**10 if cuda else _status_kib("VmHWM")
         cache, token, step_times = out.past_key_values, out.logits[:, -1:].argmax(-1), []
         for _ in range(steps):
+            sync()
             started = time.perf_counter()
             out = model(input_ids=token, past_key_values=cache, logits_to_keep=1)
-            step_times.append(time.perf_counter() - started)
             token = out.logits[:, -1:].argmax(-1)
+            sync()
+            step_times.append(time.perf_counter() - started)
     return {
         "forward_s": forward,
         "decode_ms": 1000 * statistics.median(step_times),
@@ -80,6 +109,13 @@ def _status_kib(field: str) -> int:
     return int(line.split()[1])
 
 
+def where(args) -> str:
+    """The device the numbers come from, in words."""
+    if args.device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    return f"{args.threads} thread(s), {platform.processor() or platform.machine()}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=16384)
@@ -87,17 +123,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--shape", choices=["smollm2-135m", "smollm2-135m-shape"], default="smollm2-135m")
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--variants", nargs="*", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.tokens, args.window, args.steps, args.threads)))
+        print(json.dumps(child(args.child, *(getattr(args, k) for k in OPTIONS))))
         return
     runs: dict[str, list[dict]] = {name: [] for name in ["unpatched", *args.variants]}
     for repeat in range(args.repeats):
         for name in runs:  # interleaved: each repeat runs every variant once, in a fresh process
             command = [sys.executable, __file__, "--child", name]
-            command += [f"--{k}={getattr(args, k)}" for k in ("tokens", "window", "steps", "threads")]
+            command += [f"--{k}={getattr(args, k)}" for k in OPTIONS]
             environment = {**os.environ, **VARIANTS[name][1]}
             done = subprocess.run(command, capture_output=True, text=True, check=True, env=environment)
             runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -105,8 +143,8 @@ def main() -> None:
     median = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
     base = median["unpatched"]
     print(
-        f"SmolLM2-135M, {args.tokens} tokens of held-out stdlib text, ReRoPE w={args.window}, float32, sdpa, "
-        f"{args.threads} thread(s), {platform.processor() or platform.machine()}; medians of {args.repeats} "
+        f"{args.shape}, {args.tokens} tokens, ReRoPE w={args.window}, float32, sdpa, {where(args)}; medians "
+        f"of {args.repeats} "
         "interleaved fresh-process runs\n"
     )
     print(

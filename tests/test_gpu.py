@@ -1,7 +1,9 @@
 """The GPU suite: every feature on a device against the eager reference, in fp32 and bf16, forward and backward;
 the exit through sdpa in fp32, bf16 and fp16 at head dims 64 / 128 / 256 (one-token decoding with GQA, a
 prompt after a cache, padding), under autocast, with a learnable mask bias and beside a family's own sinks;
-streaming in chunks against token by token; batched generate with left padding; unpatch; bf16 at 32k tokens.
+streaming in chunks against token by token; batched generate with left padding; unpatch; bf16 at 32k tokens;
+ReRoPE (the public formulation accelerators run: key parts on doubled channels) forward, backward, generate and
+at 32k tokens, and a RoPE rescaling against the checkpoint loaded with it.
 
     python -m pytest -m gpu                  # on CUDA (every test skips where there is none)
     python -m pytest -m gpu --device cpu     # the same tests on the CPU: checks this suite without a GPU
@@ -18,6 +20,7 @@ import pytest
 import torch
 from conftest import (
     FEATURES,
+    GREEDY,
     SHARP_VOCAB,
     VOCAB,
     model_output,
@@ -28,13 +31,15 @@ from conftest import (
     tiny_model,
 )
 from model_zoo import reference_of, zoo_model
-from reference import reference_attention
+from reference import make_reference, reference_attention
 from tiny import sharpen
+from transformers import AutoModelForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.utils import is_flash_attn_2_available
 
 import hf_attnscale as hfa
 from hf_attnscale.core.call import exit
+from hf_attnscale.core.install.families import attention_modules
 
 pytestmark = pytest.mark.gpu
 
@@ -319,3 +324,104 @@ def test_a_family_with_sinks_of_its_own_on_the_device(device, attn):
         patched.to(dtype).set_attn_implementation(attn)
         got = patched(input_ids=ids).logits.float()
     torch.testing.assert_close(got, want, atol=2**-5 * want.abs().max().item(), rtol=0)
+
+
+RE_ROPE = {  # window 4 on 16 tokens: most keys are far
+    "rerope+logn": {"rerope_window": 4, "scale": "logn", "train_length": 2},
+    "leaky+zero_kv": {"rerope_window": 4, "rerope_leak": 3.0, "zero_kv": True},
+    "rerope+sink_learnable": {"rerope_window": 4, "sink_logit": "learnable"},
+}
+
+
+def rerope_pair(device: torch.device, attn: str, options: dict):
+    """(patched, reference) sharp llama models on the device, same weights; the reference rotates q and k by
+    the clamped distance in plain eager code (tests/reference.py)."""
+    model = sharp_model("llama", attn)
+    reference = copy.deepcopy(model)
+    hfa.patch(model, **options)
+    make_reference(reference, {type(m).__name__ for m in attention_modules(reference)}, **options)
+    return model.to(device), reference.to(device)
+
+
+def rerope_inputs(device: torch.device, length: int = 16) -> dict:
+    ids = torch.randint(3, SHARP_VOCAB, (2, length), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, length, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    return on(device, {"input_ids": ids, "attention_mask": mask})
+
+
+@pytest.mark.parametrize("option", list(RE_ROPE))
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])  # flex and flash are refused, with the reason
+def test_rerope_matches_reference_on_the_device(device, attn, option):
+    """Forward and every gradient against the plain reference, fp32 (a learnable sink's own gradient is
+    non-zero); and the patch moved the logits."""
+    patched, reference = rerope_pair(device, attn, RE_ROPE[option])
+    inputs = rerope_inputs(device)
+    rows = inputs["attention_mask"].bool()
+    outputs = []
+    for model in (patched, reference):
+        model.zero_grad()
+        logits = model(**inputs).logits[rows]
+        logits.square().mean().backward()
+        outputs.append(logits.detach())
+    torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=1e-5)
+    want = dict(reference.named_parameters())
+    for name, p in patched.named_parameters():
+        if ".hfa." in name:
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+            continue
+        theirs = want[name].grad
+        scale = theirs.abs().max()
+        torch.testing.assert_close(p.grad, theirs, atol=1e-5 * scale, rtol=1e-4, msg=name)
+    hfa.unpatch(patched)
+    with torch.no_grad():
+        plain = patched(**inputs).logits[rows]
+    assert (plain - outputs[0]).abs().max() > 1e-3, "ReRoPE changed nothing"
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_rerope_generate_through_the_cache_on_the_device(device, attn):
+    """Each decoding step's logits are the whole sequence's at that step, left padding included."""
+    model = hfa.patch(sharp_model("llama", attn), **RE_ROPE["leaky+zero_kv"]).to(device)
+    inputs = rerope_inputs(device, length=6)
+    out = model.generate(**inputs, max_new_tokens=12, **GREEDY)
+    mask = torch.cat([inputs["attention_mask"], torch.ones(2, 12, dtype=torch.long, device=device)], dim=1)
+    with torch.no_grad():
+        whole = model(input_ids=out.sequences, attention_mask=mask).logits
+    torch.testing.assert_close(torch.stack(out.logits, 1), whole[:, 5:-1], atol=1e-4, rtol=1e-4)
+
+
+def test_rerope_bf16_at_32k_tokens_holds_no_square(device):
+    """32k tokens in query chunks: finite, and the forward's peak stays far below one 32k x 32k score matrix
+    (on CUDA, where the allocator reports it)."""
+    model = tiny_model("llama", num_hidden_layers=1).to(device, torch.bfloat16)
+    hfa.patch(model, rerope_window=1024, scale="logn", train_length=64)
+    ids = torch.randint(3, VOCAB, (1, 32768), device=device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with torch.no_grad():
+        logits = model(input_ids=ids, logits_to_keep=1).logits
+    assert torch.isfinite(logits).all()
+    if device.type == "cuda":
+        square = 32768**2 * 2  # one bf16 score matrix of one head
+        assert torch.cuda.max_memory_allocated(device) < square / 2
+
+
+def test_rope_parameters_equal_the_checkpoint_loaded_with_them_on_the_device(device, tmp_path):
+    """YaRN on the loaded model (frequencies built by transformers on the model's device) equals the checkpoint
+    loaded with those rope_parameters, to fp32's rounding; unpatch restores it bit for bit."""
+    yarn = {"rope_type": "yarn", "factor": 4.0}
+    model = sharp_model("llama", max_position_embeddings=16)
+    model.save_pretrained(tmp_path)
+    theta = model.config.rope_parameters["rope_theta"]
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, rope_parameters={**yarn, "rope_theta": theta})
+    model, loaded = model.to(device), loaded.eval().to(device)
+    ids = torch.randint(3, SHARP_VOCAB, (2, 40), generator=torch.Generator().manual_seed(3)).to(device)
+    with torch.no_grad():
+        before = model(ids).logits
+        hfa.patch(model, rope_parameters=yarn)
+        got, want = model(ids).logits, loaded(ids).logits
+        assert (got - before).abs().max() > 1e-3, "the rescaling changed nothing"
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        hfa.unpatch(model)
+        assert torch.equal(model(ids).logits, before)
