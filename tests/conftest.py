@@ -149,9 +149,10 @@ def sample_inputs(model_type: str, batch: int = 3, length: int = 11, padded: boo
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def patched_and_reference(model_type: str, attn: str, options: dict):
-    """(patched model, reference model) with identical weights; learnable parameters perturbed identically."""
-    patched = tiny_model(model_type, attn)
+def patched_and_reference(model_type: str, attn: str, options: dict, **overrides):
+    """(patched model, reference model) with identical weights; learnable parameters perturbed identically.
+    ``overrides``: of the tiny model's config (`tiny_config`)."""
+    patched = tiny_model(model_type, attn, **overrides)
     reference = copy.deepcopy(patched)
     hfa.patch(patched, **options)
     refs = make_reference(reference, {type(m).__name__ for m in attention_modules(reference)}, **options)

@@ -132,13 +132,13 @@ def rerope_logits(q, k, window, leak, inv_freq, scale):
     leak``), as ``R(d') q · k``, pair by pair."""
     heads, q_len, k_len = q.shape[1], q.shape[2], k.shape[2]
     k = k.repeat_interleave(heads // k.shape[1], dim=1)
-    i = torch.arange(k_len - q_len, k_len)[:, None]
-    j = torch.arange(k_len)[None, :]
+    i = torch.arange(k_len - q_len, k_len, device=q.device)[:, None]
+    j = torch.arange(k_len, device=q.device)[None, :]
     d = (i - j).to(torch.float64)
     far = window + (d - window) / leak if leak else torch.full_like(d, float(window))
     distance = torch.where(d < window, d, far)  # (Tq, Tk)
-    out = torch.empty(q.shape[0], heads, q_len, k_len, dtype=torch.float64)
-    k_scaled = rotated(k, torch.zeros(()), inv_freq, scale)  # R(0): the scale on the rotary dims only
+    out = torch.empty(q.shape[0], heads, q_len, k_len, dtype=torch.float64, device=q.device)
+    k_scaled = rotated(k, torch.zeros((), device=q.device), inv_freq, scale)  # R(0): the scale on the rotary dims only
     for row in range(q_len):
         q_turned = rotated(q[:, :, row : row + 1], distance[row], inv_freq, scale)  # (B,H,Tk,D)
         out[:, :, row] = (q_turned * k_scaled).sum(-1)
@@ -369,7 +369,7 @@ def _moved(attention, rotary, key: torch.Tensor, by: int, rotates) -> torch.Tens
     """``key`` (rotated at some position) rotated ``by`` positions further, by the family's own RoPE."""
     if by == 0 or (rotates is not None and not rotates(attention)):
         return key
-    position = torch.tensor([[by]])
+    position = torch.tensor([[by]], device=key.device)
     layer_type = getattr(attention, "layer_type", None)
     takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
     cos, sin = rotary(key, position, layer_type) if takes_type else rotary(key, position)

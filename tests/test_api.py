@@ -213,9 +213,9 @@ def test_flex_attention_scale_matches_sdpa():
         got = flex(input_ids=ids, attention_mask=mask).logits
         want = sdpa(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="need a GPU"):
-        hfa.patch(flex, zero_kv=True)
-    assert hfa.get_config(flex).scale == "logn"
+    hfa.patch(flex, zero_kv=True)  # patched on the CPU, as before a move to a GPU: it may not run here
+    with pytest.raises(ValueError, match="under flex_attention need a GPU"), torch.no_grad():
+        flex(input_ids=ids, attention_mask=mask)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

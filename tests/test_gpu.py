@@ -44,6 +44,8 @@ from hf_attnscale.core.install.families import attention_modules
 pytestmark = pytest.mark.gpu
 
 BACKENDS = ["sdpa", "eager", "flex_attention", "flash_attention_2"]
+HEADS = {"head_dim": 16}
+"""The tiny llama's heads, widened: flex_attention's CUDA kernel takes no head narrower than 16."""
 DEVICE_FEATURES = [
     "logn",
     "ssmax",
@@ -84,8 +86,10 @@ def on(device: torch.device, inputs: dict) -> dict:
 def test_fp32_matches_reference(device, attn, feature):
     options = FEATURES[feature]
     skip_unless_runs(attn, device, torch.float32, options)
-    patched, reference, _, _ = patched_and_reference("llama", attn, options)  # GQA: 4 query heads, 2 KV heads
-    plain = tiny_model("llama", "sdpa")
+    patched, reference, _, _ = patched_and_reference(
+        "llama", attn, options, **HEADS
+    )  # GQA: 4 query heads, 2 KV heads
+    plain = tiny_model("llama", "sdpa", **HEADS)
     sharpen_alike(patched, reference, plain)
     patched, reference, plain = patched.to(device), reference.to(device), plain.to(device)
     inputs = on(device, sample_inputs("llama"))
@@ -109,8 +113,8 @@ def test_bf16_error_is_bf16s_own(device, attn, feature):
     """
     options = FEATURES[feature]
     skip_unless_runs(attn, device, torch.bfloat16, options)
-    patched, reference, _, _ = patched_and_reference("llama", attn, options)
-    plain = tiny_model("llama", "sdpa")
+    patched, reference, _, _ = patched_and_reference("llama", attn, options, **HEADS)
+    plain = tiny_model("llama", "sdpa", **HEADS)
     sharpen_alike(patched, reference, plain)
     patched, reference, plain = patched.to(device, torch.bfloat16), reference.to(device), plain.to(device)
     plain_half = copy.deepcopy(plain).to(torch.bfloat16)
@@ -131,7 +135,7 @@ def test_bf16_error_is_bf16s_own(device, attn, feature):
 def test_fp32_gradients_match_reference(device, attn):
     options = {"scale": "ssmax", "train_length": 2, "sink_logit": "learnable"}
     skip_unless_runs(attn, device, torch.float32, options)
-    patched, reference, states, refs = patched_and_reference("llama", attn, options)
+    patched, reference, states, refs = patched_and_reference("llama", attn, options, **HEADS)
     sharpen_alike(patched, reference)
     patched, reference = patched.to(device), reference.to(device)
     inputs = on(device, sample_inputs("llama"))

@@ -15,6 +15,9 @@ The shims, each named with the transformers versions that need it:
   the installed version has it, and with this copy only where it does not (tests/core/test_compat.py checks
   the copy against transformers' own). It is written with tensor methods only, so that this module imports
   neither torch nor transformers.
+* `nested_rope_keys`: transformers' ``config.nested_rope_parameter_keys`` where it has it (5.24 does; 5.13 and
+  5.17 do not), else the rule 5.13's ``standardize_rope_params`` applies: ``rope_parameters`` is nested when
+  every key is one of the config's ``layer_types``. ``core.install.rescaling`` reads a model's RoPE through it.
 
 This module is imported by ``hf_attnscale/__init__.py``: keep it free of heavy imports.
 """
@@ -22,7 +25,7 @@ This module is imported by ``hf_attnscale/__init__.py``: keep it free of heavy i
 from __future__ import annotations
 
 from importlib import metadata
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
@@ -106,3 +109,14 @@ def create_position_bias_mask(
         return (position_bias + attention_mask).contiguous()
     lowest = key.new_full((), float("-inf")).nan_to_num()  # nan_to_num maps -inf to the dtype's lowest
     return position_bias.where(attention_mask, lowest).contiguous()
+
+
+def nested_rope_keys(config: Any, rope_parameters: dict[str, Any]) -> list[str]:
+    """The layer types ``rope_parameters`` is set by (one dict of RoPE parameters each), or [] where it is one
+    flat dict: transformers' ``config.nested_rope_parameter_keys`` where it exists, else 5.13's rule."""
+    own = getattr(config, "nested_rope_parameter_keys", None)
+    if own is not None:
+        return own(rope_parameters)
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    keys = list(rope_parameters)
+    return keys if keys and set(keys) <= layer_types else []

@@ -157,3 +157,33 @@ def test_position_bias_mask_blocks_with_the_lowest_finite_value():
     expected = torch.tensor([[0, lowest, lowest, lowest], [4, 5, lowest, lowest], [8, 9, 10, lowest]])
     assert torch.equal(out, expected.view(1, 1, 3, 4))
     assert out.is_contiguous()
+
+
+NESTED_CASES = [  # (layer_types, rope_parameters, the nested keys)
+    (None, {"rope_type": "yarn", "factor": 4.0}, []),
+    (["full_attention", "sliding_attention"], {"rope_type": "default", "rope_theta": 1e4}, []),
+    (
+        ["full_attention", "sliding_attention"],
+        {
+            "full_attention": {"rope_type": "linear", "factor": 8.0},
+            "sliding_attention": {"rope_type": "default"},
+        },
+        ["full_attention", "sliding_attention"],
+    ),
+    (["full_attention", "sliding_attention"], {}, []),
+]
+
+
+@pytest.mark.parametrize(("layer_types", "rope_parameters", "nested"), NESTED_CASES)
+def test_nested_rope_keys(layer_types, rope_parameters, nested):
+    """Our reading where transformers has none (5.13, 5.17) gives the answer of transformers' own, where it has
+    one (5.24): nested only by the config's layer types."""
+    from transformers import PreTrainedConfig
+
+    config = PreTrainedConfig()
+    config.layer_types = layer_types
+    assert compat.nested_rope_keys(config, rope_parameters) == nested
+    if hasattr(config, "nested_rope_parameter_keys"):
+        assert config.nested_rope_parameter_keys(rope_parameters) == nested
+        bare = type("WithoutIt", (), {"layer_types": layer_types})()  # the fallback, on the same case
+        assert compat.nested_rope_keys(bare, rope_parameters) == nested

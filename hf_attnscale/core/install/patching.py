@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from hf_attnscale.core.call.backends import BACKENDS, check_backend
+from hf_attnscale.core.call.backends import check_backend
 from hf_attnscale.core.call.dispatch import PatchedConfigView, routed_config
 from hf_attnscale.core.call.state import STATE_NAME, AttnScaleState, state_of
 from hf_attnscale.core.install.families import (
@@ -47,7 +47,6 @@ from hf_attnscale.core.install.offload import (
     forward_slot,
     parameter_device,
     restore_forward,
-    run_device,
     set_forward,
 )
 from hf_attnscale.core.install.rerope import rerope_rotaries
@@ -143,9 +142,9 @@ def _installation(root: nn.Module, config: AttnScaleConfig) -> _Installation:
         raise ValueError(f"Attention modules {sorted(set(missing))} have no config to route their calls by.")
     if config.has_exit and rule.no_exit:
         raise ValueError(f"zero_kv / sink_logit: {rule.no_exit}. Use the scale options alone.")
-    backend = check_backend(root.config._attn_implementation)
-    if config.has_exit:
-        BACKENDS[backend].check_exit(run_device(root))
+    # Where the exit can run is checked at each call, on its tensors' device: a model patched on the CPU may be
+    # moved to a GPU before it runs.
+    check_backend(root.config._attn_implementation)
     states = [_new_state(config, m, root.config) for m in modules]
     rotaries = [
         (

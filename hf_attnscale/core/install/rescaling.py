@@ -13,6 +13,8 @@ from typing import Any
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from hf_attnscale.core.compat import nested_rope_keys
+
 ORIGINAL_ATTR = "_hfa_original_rotary"
 """Where a rebuilt rotary embedding keeps the model's own (in its ``__dict__``: no submodule, no state)."""
 RotarySlot = tuple[nn.Module, str, nn.Module]
@@ -41,7 +43,7 @@ def rescaled(rotary: nn.Module, rope_parameters: dict[str, Any]) -> nn.Module:
     original = own_rotary(rotary)
     config = copy.deepcopy(original.config)
     own = copy.deepcopy(config.rope_parameters or {})
-    nested = config.nested_rope_parameter_keys(own)
+    nested = nested_rope_keys(config, own)
     if nested and not set(rope_parameters) <= set(nested):
         raise ValueError(
             f"rope_parameters: this model's RoPE is set per layer type ({', '.join(nested)}); give them by "
