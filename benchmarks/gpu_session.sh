@@ -10,6 +10,12 @@
 #   bash benchmarks/gpu_session.sh lmeval      # lm-eval on the held-out corpus, dense and streamed (needs lm-eval)
 #   bash benchmarks/gpu_session.sh tests overhead memory    # several in one call, in that order
 #
+# Seen on an H200 (2026-11-27, the first session; benchmarks/RESULTS.md, "On a GPU"): the machine starts in
+# under a minute; tests took 153 s (the gpu suite 64 s of it), rerope 186 s, and overhead more than 5 minutes
+# (4k alone about 100 s with every variant). At 32k, a forward and backward with ReRoPE does not fit in 139 GiB,
+# so overhead times only the forward there. A session with 15 minutes of device time fits tests, rerope and part
+# of overhead; name the stages in the order you need them.
+#
 # A failing stage is recorded and the next one runs; the exit status is that of the last failure. Results
 # accumulate in $RESULTS (default gpu-out/, ignored by git, kept on a warm machine between calls): each stage's
 # log and JSON, and summary.md, one line per stage run (device, status, seconds). When $OUT is set (the device
@@ -57,7 +63,7 @@ run_stage() {
         ;;
     overhead)
         python3 benchmarks/bench_overhead.py "${shape[@]}" --lengths 4096,16384,32768 --repeats 7,5,3 \
-            --json "$results/overhead-sdpa.json" 2>&1 | tee "$results/overhead-sdpa.log"
+            --backward-max-length 16384 --json "$results/overhead-sdpa.json" 2>&1 | tee "$results/overhead-sdpa.log"
         ;;
     memory)
         python3 benchmarks/bench_overhead.py "${shape[@]}" --lengths 16384,32768 --repeats 3 --padded \
