@@ -16,8 +16,9 @@ The shims, each named with the transformers versions that need it:
   the copy against transformers' own). It is written with tensor methods only, so that this module imports
   neither torch nor transformers.
 * `nested_rope_keys`: transformers' ``config.nested_rope_parameter_keys`` where it has it (5.24 does; 5.13 and
-  5.17 do not), else the rule 5.13's ``standardize_rope_params`` applies: ``rope_parameters`` is nested when
-  every key is one of the config's ``layer_types``. ``core.install.rescaling`` reads a model's RoPE through it.
+  5.17 do not), else the same rule: the keys of ``rope_parameters`` that name one of the config's RoPE labels
+  (``_rope_type_labels``, DeepSeek-V4's "main" and "compress"), or else of its ``layer_types``.
+  ``core.install.rescaling`` reads a model's RoPE through it.
 
 This module is imported by ``hf_attnscale/__init__.py``: keep it free of heavy imports.
 """
@@ -112,11 +113,11 @@ def create_position_bias_mask(
 
 
 def nested_rope_keys(config: Any, rope_parameters: dict[str, Any]) -> list[str]:
-    """The layer types ``rope_parameters`` is set by (one dict of RoPE parameters each), or [] where it is one
-    flat dict: transformers' ``config.nested_rope_parameter_keys`` where it exists, else 5.13's rule."""
+    """The keys ``rope_parameters`` is nested under (a layer type or RoPE label each, with its own dict of RoPE
+    parameters), or [] where it is one flat dict: transformers' ``config.nested_rope_parameter_keys`` where it
+    exists, else the same rule, for the versions without it."""
     own = getattr(config, "nested_rope_parameter_keys", None)
     if own is not None:
         return own(rope_parameters)
-    layer_types = set(getattr(config, "layer_types", None) or ())
-    keys = list(rope_parameters)
-    return keys if keys and set(keys) <= layer_types else []
+    labels = getattr(config, "_rope_type_labels", None) or getattr(config, "layer_types", None) or ()
+    return [key for key in rope_parameters if key in labels]

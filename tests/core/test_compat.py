@@ -159,31 +159,53 @@ def test_position_bias_mask_blocks_with_the_lowest_finite_value():
     assert out.is_contiguous()
 
 
-NESTED_CASES = [  # (layer_types, rope_parameters, the nested keys)
-    (None, {"rope_type": "yarn", "factor": 4.0}, []),
-    (["full_attention", "sliding_attention"], {"rope_type": "default", "rope_theta": 1e4}, []),
-    (
+NESTED_CASES = {  # (layer_types, RoPE labels, rope_parameters, the nested keys)
+    "flat": (None, None, {"rope_type": "yarn", "factor": 4.0}, []),
+    "flat, with layer types": (["full_attention", "sliding_attention"], None, {"rope_theta": 1e4}, []),
+    "by layer type": (
         ["full_attention", "sliding_attention"],
+        None,
         {
             "full_attention": {"rope_type": "linear", "factor": 8.0},
             "sliding_attention": {"rope_type": "default"},
         },
         ["full_attention", "sliding_attention"],
     ),
-    (["full_attention", "sliding_attention"], {}, []),
-]
+    "mixed": (
+        ["full_attention"],
+        None,
+        {"full_attention": {"rope_type": "default"}, "rope_theta": 1e4},
+        ["full_attention"],
+    ),
+    "by label (DeepSeek-V4)": (
+        ["sliding_attention", "compressed_sparse_attention"],
+        ("main", "compress"),
+        {"main": {"rope_type": "default"}, "compress": {"rope_type": "yarn", "factor": 4.0}},
+        ["main", "compress"],
+    ),
+    "empty": (["full_attention"], None, {}, []),
+}
 
 
-@pytest.mark.parametrize(("layer_types", "rope_parameters", "nested"), NESTED_CASES)
-def test_nested_rope_keys(layer_types, rope_parameters, nested):
-    """Our reading where transformers has none (5.13, 5.17) gives the answer of transformers' own, where it has
-    one (5.24): nested only by the config's layer types."""
+class _Bare:
+    """A config without ``nested_rope_parameter_keys``, as transformers 5.13 and 5.17 have them."""
+
+    def __init__(self, layer_types, labels):
+        self.layer_types = layer_types
+        if labels is not None:
+            self._rope_type_labels = labels
+
+
+@pytest.mark.parametrize("case", list(NESTED_CASES))
+def test_nested_rope_keys(case):
+    """The rule where transformers has none (5.13, 5.17) gives the expected keys, and so does transformers' own
+    where it has one (5.24)."""
     from transformers import PreTrainedConfig
 
+    layer_types, labels, rope_parameters, nested = NESTED_CASES[case]
+    assert compat.nested_rope_keys(_Bare(layer_types, labels), rope_parameters) == nested
     config = PreTrainedConfig()
     config.layer_types = layer_types
+    if labels is not None:
+        config._rope_type_labels = labels
     assert compat.nested_rope_keys(config, rope_parameters) == nested
-    if hasattr(config, "nested_rope_parameter_keys"):
-        assert config.nested_rope_parameter_keys(rope_parameters) == nested
-        bare = type("WithoutIt", (), {"layer_types": layer_types})()  # the fallback, on the same case
-        assert compat.nested_rope_keys(bare, rope_parameters) == nested
