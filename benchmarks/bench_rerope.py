@@ -5,7 +5,7 @@ of ``--repeats`` runs:
     python benchmarks/bench_rerope.py --tokens 16384 --repeats 3
     python benchmarks/bench_rerope.py --device cuda --shape smollm2-135m-shape --variants "ReRoPE + logn"
 
-Per process: the model is loaded (float32, sdpa), ``--tokens`` tokens go through one forward with the model's
+Per process: the model is loaded (``--dtype``, default float32; sdpa), ``--tokens`` tokens go through one forward with the model's
 own ``DynamicCache`` (``logits_to_keep=1``: the vocabulary's logits are not what is measured), then ``--steps``
 greedy decode steps through that cache. ``--shape smollm2-135m`` (the default) is the real checkpoint on
 held-out stdlib text; ``smollm2-135m-shape`` is its shape with random weights and random tokens, for a machine
@@ -40,11 +40,13 @@ VARIANTS = {  # name: (patch options, environment)
 formulation, doubled channels through public sdpa, is what accelerators run."""
 
 
-OPTIONS = ("tokens", "window", "steps", "threads", "shape", "device")
+OPTIONS = ("tokens", "window", "steps", "threads", "shape", "device", "dtype")
 """The options a child process takes, in `child`'s order."""
 
 
-def child(variant: str, tokens: int, window: int, steps: int, threads: int, shape: str, device: str) -> dict:
+def child(
+    variant: str, tokens: int, window: int, steps: int, threads: int, shape: str, device: str, dtype: str
+) -> dict:
     """One measurement, in this fresh process."""
     torch.set_num_threads(threads)
     from bench_overhead import build_model
@@ -53,7 +55,7 @@ def child(variant: str, tokens: int, window: int, steps: int, threads: int, shap
     import hf_attnscale as hfa
     from hf_attnscale.evaluation.corpus import builtin_documents
 
-    model = build_model(device, torch.float32, shape).eval()
+    model = build_model(device, getattr(torch, dtype), shape).eval()
     options = {k: (window if k == "rerope_window" else v) for k, v in VARIANTS[variant][0].items()}
     if options:
         hfa.patch(model, **options)
@@ -125,6 +127,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--shape", choices=["smollm2-135m", "smollm2-135m-shape"], default="smollm2-135m")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--variants", nargs="*", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -143,7 +146,7 @@ def main() -> None:
     median = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
     base = median["unpatched"]
     print(
-        f"{args.shape}, {args.tokens} tokens, ReRoPE w={args.window}, float32, sdpa, {where(args)}; medians "
+        f"{args.shape}, {args.tokens} tokens, ReRoPE w={args.window}, {args.dtype}, sdpa, {where(args)}; medians "
         f"of {args.repeats} "
         "interleaved fresh-process runs\n"
     )
@@ -153,7 +156,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for name, m in median.items():
         print(
-            f"| {name} | {m['forward_s']:.1f} | {m['forward_s'] / base['forward_s']:.2f} | "
+            f"| {name} | {m['forward_s']:.3f} | {m['forward_s'] / base['forward_s']:.2f} | "
             f"{m['forward_peak_gib']:.2f} | {m['forward_peak_gib'] / base['forward_peak_gib']:.2f} | "
             f"{m['decode_ms']:.1f} | {m['decode_ms'] / base['decode_ms']:.2f} |"
         )
