@@ -189,7 +189,10 @@ def plot(table, passkeys, depths, seeds, path: Path) -> None:
     left.set_ylabel("perplexity (Genesis, by position)")
     right.set_ylabel("share of passkeys found")
     right.set_ylim(-0.05, 1.05)
-    span = (0.8, max([*centres, *(n / 1024 for n in passkeys)]) * 1.3)  # both panels, the 32k haystack included
+    span = (
+        0.8,
+        max([*centres, *(n / 1024 for n in passkeys)]) * 1.3,
+    )  # both panels, the 32k haystack included
     for ax in (left, right):
         ax.set_xlim(span)
     for ax in (left, right):
