@@ -208,6 +208,23 @@ def sharp_model(model_type: str = "llama", attn: str = "sdpa", seed: int = 0, **
     return sharpen(build(AutoModelForCausalLM, config, attn, seed), None, embeddings=True)
 
 
+def patched_beside_reference(model: torch.nn.Module, options: dict):
+    """(``model`` patched with ``options``, its eager reference (tests/reference.py)), the same weights."""
+    reference = copy.deepcopy(model)
+    hfa.patch(model, **options)
+    make_reference(reference, {type(m).__name__ for m in attention_modules(reference)}, **options)
+    return model, reference
+
+
+def sharp_inputs(batch: int = 2, length: int = 16, vocab: int = SHARP_VOCAB, padded: bool = True) -> dict:
+    """Seeded ids for a `sharp_model`, row 1 left-padded by 3 where ``padded``."""
+    ids = torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(batch, length, dtype=torch.long)
+    if padded:
+        mask[1, :3] = 0  # left padding
+    return {"input_ids": ids, "attention_mask": mask}
+
+
 GREEDY = {"do_sample": False, "pad_token_id": 0, "return_dict_in_generate": True, "output_logits": True}
 """generate() arguments of a greedy search that returns each step's logits."""
 BEAM_SEARCH = {

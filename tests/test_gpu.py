@@ -25,13 +25,15 @@ from conftest import (
     VOCAB,
     model_output,
     patched_and_reference,
+    patched_beside_reference,
     sample_inputs,
+    sharp_inputs,
     sharp_model,
     stream_logits,
     tiny_model,
 )
 from model_zoo import reference_of, zoo_model
-from reference import make_reference, reference_attention
+from reference import reference_attention
 from tiny import sharpen
 from transformers import AutoModelForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -39,7 +41,6 @@ from transformers.utils import is_flash_attn_2_available
 
 import hf_attnscale as hfa
 from hf_attnscale.core.call import exit
-from hf_attnscale.core.install.families import attention_modules
 
 pytestmark = pytest.mark.gpu
 
@@ -340,18 +341,7 @@ RE_ROPE = {  # window 4 on 16 tokens: most keys are far
 def rerope_pair(device: torch.device, attn: str, options: dict):
     """(patched, reference) sharp llama models on the device, same weights; the reference rotates q and k by
     the clamped distance in plain eager code (tests/reference.py)."""
-    model = sharp_model("llama", attn)
-    reference = copy.deepcopy(model)
-    hfa.patch(model, **options)
-    make_reference(reference, {type(m).__name__ for m in attention_modules(reference)}, **options)
-    return model.to(device), reference.to(device)
-
-
-def rerope_inputs(device: torch.device, length: int = 16) -> dict:
-    ids = torch.randint(3, SHARP_VOCAB, (2, length), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones(2, length, dtype=torch.long)
-    mask[1, :3] = 0  # left padding
-    return on(device, {"input_ids": ids, "attention_mask": mask})
+    return tuple(model.to(device) for model in patched_beside_reference(sharp_model("llama", attn), options))
 
 
 @pytest.mark.parametrize("option", list(RE_ROPE))
@@ -360,7 +350,7 @@ def test_rerope_matches_reference_on_the_device(device, attn, option):
     """Forward and every gradient against the plain reference, fp32 (a learnable sink's own gradient is
     non-zero); and the patch moved the logits."""
     patched, reference = rerope_pair(device, attn, RE_ROPE[option])
-    inputs = rerope_inputs(device)
+    inputs = on(device, sharp_inputs())
     rows = inputs["attention_mask"].bool()
     outputs = []
     for model in (patched, reference):
@@ -387,7 +377,7 @@ def test_rerope_matches_reference_on_the_device(device, attn, option):
 def test_rerope_generate_through_the_cache_on_the_device(device, attn):
     """Each decoding step's logits are the whole sequence's at that step, left padding included."""
     model = hfa.patch(sharp_model("llama", attn), **RE_ROPE["leaky+zero_kv"]).to(device)
-    inputs = rerope_inputs(device, length=6)
+    inputs = on(device, sharp_inputs(length=6))
     out = model.generate(**inputs, max_new_tokens=12, **GREEDY)
     mask = torch.cat([inputs["attention_mask"], torch.ones(2, 12, dtype=torch.long, device=device)], dim=1)
     with torch.no_grad():

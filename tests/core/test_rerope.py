@@ -8,13 +8,19 @@ import copy
 
 import pytest
 import torch
-from conftest import DECODERS, GREEDY, SHARP_VOCAB, sharp_model, tiny_model
+from conftest import (
+    DECODERS,
+    GREEDY,
+    SHARP_VOCAB,
+    patched_beside_reference,
+    sharp_inputs,
+    sharp_model,
+    tiny_model,
+)
 from model_zoo import zoo_model
-from reference import make_reference
 
 import hf_attnscale as hfa
 from hf_attnscale.core.call import cpu_flash, key_parts
-from hf_attnscale.core.install.families import attention_modules
 
 WINDOW, LEAK, LENGTH = 4, 3.0, 16
 ROPE_TYPES = {  # transformers' own rope_parameters, each with what the tiny model's RoPE needs
@@ -67,22 +73,6 @@ def attn(request, monkeypatch):
 ATTNS = ["sdpa", "sdpa+fused", "eager"]
 
 
-def _pair(model, options):
-    """(patched, reference) of ``model``, same weights."""
-    reference = copy.deepcopy(model)
-    hfa.patch(model, **options)
-    make_reference(reference, {type(m).__name__ for m in attention_modules(reference)}, **options)
-    return model, reference
-
-
-def _inputs(batch=2, length=LENGTH, vocab=SHARP_VOCAB, padded=True):
-    ids = torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones(batch, length, dtype=torch.long)
-    if padded:
-        mask[1, :3] = 0  # left padding
-    return {"input_ids": ids, "attention_mask": mask}
-
-
 def _assert_matches(patched, reference, inputs):
     rows = inputs["attention_mask"].bool()
     with torch.no_grad():
@@ -95,11 +85,11 @@ def _assert_matches(patched, reference, inputs):
 @pytest.mark.parametrize("option", list(OPTIONS))
 @pytest.mark.parametrize("model_type", list(DECODERS))
 def test_matches_reference(model_type, option, attn):
-    patched, reference = _pair(sharp_model(model_type, attn), OPTIONS[option])
-    got = _assert_matches(patched, reference, _inputs())
+    patched, reference = patched_beside_reference(sharp_model(model_type, attn), OPTIONS[option])
+    got = _assert_matches(patched, reference, sharp_inputs())
     hfa.unpatch(patched)
     with torch.no_grad():
-        plain = patched(**_inputs()).logits[_inputs()["attention_mask"].bool()]
+        plain = patched(**sharp_inputs()).logits[sharp_inputs()["attention_mask"].bool()]
     assert (plain - got).abs().max() > 1e-3, "ReRoPE changed nothing"
 
 
@@ -108,8 +98,8 @@ def test_matches_reference(model_type, option, attn):
 def test_the_models_own_rope_types(rope_type, option):
     """At the clamped distances, the model's own RoPE: its rope type's frequencies and attention scaling."""
     model = sharp_model("llama", max_position_embeddings=8, rope_parameters=ROPE_TYPES[rope_type])
-    patched, reference = _pair(model, OPTIONS[option])
-    _assert_matches(patched, reference, _inputs(length=12))  # past 8: YaRN, llama3 and dynamic NTK act
+    patched, reference = patched_beside_reference(model, OPTIONS[option])
+    _assert_matches(patched, reference, sharp_inputs(length=12))  # past 8: YaRN, llama3 and dynamic NTK act
 
 
 @pytest.mark.parametrize(
@@ -121,16 +111,16 @@ def test_the_models_own_rope_types(rope_type, option):
     ],
 )
 def test_families_of_their_own(model_type):
-    patched, reference = _pair(zoo_model(model_type, "sdpa"), OPTIONS["rerope+logn"])
+    patched, reference = patched_beside_reference(zoo_model(model_type, "sdpa"), OPTIONS["rerope+logn"])
     vocab = patched.config.get_text_config().vocab_size
-    _assert_matches(patched, reference, _inputs(vocab=min(vocab, 100)))
+    _assert_matches(patched, reference, sharp_inputs(vocab=min(vocab, 100)))
 
 
 @pytest.mark.parametrize("attn", ATTNS, indirect=True)
 def test_gradients_match_reference(attn):
     options = {"rerope_window": WINDOW, "rerope_leak": LEAK, "sink_logit": "learnable"}
-    patched, reference = _pair(sharp_model("qwen2", attn), options)
-    inputs = _inputs()
+    patched, reference = patched_beside_reference(sharp_model("qwen2", attn), options)
+    inputs = sharp_inputs()
     rows = inputs["attention_mask"].bool()
     grads = []
     for model in (patched, reference):
@@ -152,7 +142,7 @@ def test_a_window_past_the_input_is_the_unpatched_model(model_type):
     model = sharp_model(model_type)
     plain = copy.deepcopy(model)
     hfa.patch(model, rerope_window=LENGTH)
-    inputs = _inputs()
+    inputs = sharp_inputs()
     rows = inputs["attention_mask"].bool()
     with torch.no_grad():
         torch.testing.assert_close(
@@ -165,7 +155,7 @@ def test_a_window_past_the_input_is_the_unpatched_model(model_type):
 def test_generate_through_the_models_cache_equals_the_whole_forward(attn, option):
     """Each decoding step reads the raw keys its cache holds; its logits are the whole sequence's at that step."""
     model = hfa.patch(sharp_model("llama", attn), **OPTIONS[option])
-    inputs = _inputs(length=6)
+    inputs = sharp_inputs(length=6)
     out = model.generate(**inputs, max_new_tokens=12, **GREEDY)
     mask = torch.cat([inputs["attention_mask"], torch.ones(2, 12, dtype=torch.long)], dim=1)
     with torch.no_grad():
@@ -179,7 +169,7 @@ def test_decoding_with_yarns_attention_scaling_and_no_mask(option):
     rides on cos/sin, the far keys take it too. No attention mask: the step builds none."""
     model = sharp_model("llama", max_position_embeddings=8, rope_parameters=ROPE_TYPES["yarn"])
     hfa.patch(model, **OPTIONS[option])
-    ids = _inputs(batch=1, padded=False)["input_ids"][:, :6]
+    ids = sharp_inputs(batch=1, padded=False)["input_ids"][:, :6]
     out = model.generate(input_ids=ids, max_new_tokens=12, **GREEDY)
     with torch.no_grad():
         whole = model(input_ids=out.sequences).logits
@@ -189,7 +179,7 @@ def test_decoding_with_yarns_attention_scaling_and_no_mask(option):
 @pytest.mark.parametrize("attn", ATTNS, indirect=True)
 def test_a_left_padded_batch_equals_each_prompt_alone(attn):
     model = hfa.patch(sharp_model("qwen2", attn), **OPTIONS["leaky"])
-    inputs = _inputs()
+    inputs = sharp_inputs()
     with torch.no_grad():
         batch = model(**inputs).logits
         alone = model(input_ids=inputs["input_ids"][1:, 3:]).logits
@@ -201,9 +191,9 @@ def test_long_input_runs_in_query_chunks(monkeypatch, attn):
     """A call longer than one chunk runs its queries in pieces, with the same result."""
     from hf_attnscale.core.call import rerope
 
-    patched, reference = _pair(sharp_model("llama", attn), OPTIONS["leaky"])
+    patched, reference = patched_beside_reference(sharp_model("llama", attn), OPTIONS["leaky"])
     monkeypatch.setattr(rerope, "MASK_CHUNK", 5 * (LENGTH + WINDOW))  # 5 queries a chunk
-    _assert_matches(patched, reference, _inputs())
+    _assert_matches(patched, reference, sharp_inputs())
 
 
 @pytest.mark.parametrize(
@@ -250,7 +240,7 @@ def test_a_sink_cache_refuses_rerope():
 def test_unpatch_restores_the_model():
     model = sharp_model()
     plain = copy.deepcopy(model)
-    inputs = _inputs()
+    inputs = sharp_inputs()
     hfa.patch(model, **OPTIONS["leaky"])
     hfa.unpatch(model)
     with torch.no_grad():
@@ -262,7 +252,7 @@ def test_torch_compile_takes_rerope_whole():
     from transformers import DynamicCache
 
     model = hfa.patch(sharp_model("llama"), **OPTIONS["rerope+logn"])
-    ids = _inputs(batch=1, padded=False)["input_ids"]
+    ids = sharp_inputs(batch=1, padded=False)["input_ids"]
     torch._dynamo.reset()
     assert torch._dynamo.explain(lambda x: model(x).logits)(ids).graph_break_count == 0
     with torch.no_grad():
