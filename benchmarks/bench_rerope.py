@@ -5,15 +5,15 @@ of ``--repeats`` runs:
     python benchmarks/bench_rerope.py --tokens 16384 --repeats 3
     python benchmarks/bench_rerope.py --device cuda --shape smollm2-135m-shape --variants "ReRoPE + logn"
 
-Per process: the model is loaded (``--dtype``, default float32; sdpa), ``--tokens`` tokens go through one forward with the model's
-own ``DynamicCache`` (``logits_to_keep=1``: the vocabulary's logits are not what is measured), then ``--steps``
-greedy decode steps through that cache. ``--shape smollm2-135m`` (the default) is the real checkpoint on
-held-out stdlib text; ``smollm2-135m-shape`` is its shape with random weights and random tokens, for a machine
-that cannot fetch it (time does not depend on the weights). Time is wall time; on CUDA, synchronised, and of a
-second pass after a first that warms the kernels up. Memory:
-on the CPU the process's peak resident set during the forward (Linux's VmHWM, reset just before it), less its
-resident set before it; on CUDA ``torch.cuda.max_memory_allocated`` during the forward, less what was allocated
-before it. Threads: ``--threads`` (default 1). A smoke run: ``--tokens 256 --window 64 --steps 2 --repeats 1``.
+Per process: the model is loaded (``--dtype``, default float32; sdpa), ``--tokens`` tokens go through one
+forward with the model's own ``DynamicCache`` (``logits_to_keep=1``: the vocabulary's logits are not what is
+measured), then ``--steps`` greedy decode steps through that cache. ``--shape smollm2-135m`` (the default) is
+the real checkpoint on held-out stdlib text; ``smollm2-135m-shape`` is its shape with random weights and
+random tokens, for a machine that cannot fetch it (time does not depend on the weights). Time is wall time; on
+CUDA, synchronised, and of a second pass after a first that warms the kernels up. Memory: on the CPU the
+process's peak resident set during the forward (Linux's VmHWM, reset just before it), less its resident set
+before it; on CUDA ``torch.cuda.max_memory_allocated`` during the forward, less what was allocated before it.
+Threads: ``--threads`` (default 1). A smoke run: ``--tokens 256 --window 64 --steps 2 --repeats 1``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ formulation, doubled channels through public sdpa, is what accelerators run."""
 
 
 OPTIONS = ("tokens", "window", "steps", "threads", "shape", "device", "dtype")
-"""The options a child process takes, in `child`'s order."""
+"""The options a child process takes, by name."""
 
 
 def child(
@@ -132,7 +132,7 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, *(getattr(args, k) for k in OPTIONS))))
+        print(json.dumps(child(args.child, **{k: getattr(args, k) for k in OPTIONS})))
         return
     runs: dict[str, list[dict]] = {name: [] for name in ["unpatched", *args.variants]}
     for repeat in range(args.repeats):
@@ -146,9 +146,8 @@ def main() -> None:
     median = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
     base = median["unpatched"]
     print(
-        f"{args.shape}, {args.tokens} tokens, ReRoPE w={args.window}, {args.dtype}, sdpa, {where(args)}; medians "
-        f"of {args.repeats} "
-        "interleaved fresh-process runs\n"
+        f"{args.shape}, {args.tokens} tokens, ReRoPE w={args.window}, {args.dtype}, sdpa, {where(args)}; "
+        f"medians of {args.repeats} interleaved fresh-process runs\n"
     )
     print(
         "| variant | forward (s) | x unpatched | forward peak (GiB) | x unpatched | decode step (ms) | x unpatched |"

@@ -138,9 +138,8 @@ def rerope_logits(q, k, window, leak, inv_freq, scale):
     far = window + (d - window) / leak if leak else torch.full_like(d, float(window))
     distance = torch.where(d < window, d, far)  # (Tq, Tk)
     out = torch.empty(q.shape[0], heads, q_len, k_len, dtype=torch.float64, device=q.device)
-    k_scaled = rotated(
-        k, torch.zeros((), device=q.device), inv_freq, scale
-    )  # R(0): the scale on the rotary dims only
+    # R(0): the scale on the rotary dims only.
+    k_scaled = rotated(k, torch.zeros((), device=q.device), inv_freq, scale)
     for row in range(q_len):
         q_turned = rotated(q[:, :, row : row + 1], distance[row], inv_freq, scale)  # (B,H,Tk,D)
         out[:, :, row] = (q_turned * k_scaled).sum(-1)

@@ -189,13 +189,10 @@ def plot(table, passkeys, depths, seeds, path: Path) -> None:
     left.set_ylabel("perplexity (Genesis, by position)")
     right.set_ylabel("share of passkeys found")
     right.set_ylim(-0.05, 1.05)
-    span = (
-        0.8,
-        max([*centres, *(n / 1024 for n in passkeys)]) * 1.3,
-    )  # both panels, the 32k haystack included
+    # One span for both panels, wide enough for the longest haystack.
+    span = (0.8, max([*centres, *(n / 1024 for n in passkeys)]) * 1.3)
     for ax in (left, right):
         ax.set_xlim(span)
-    for ax in (left, right):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6, title="cells not run are not drawn", title_fontsize=6)
     fig.suptitle(
