@@ -1,0 +1,43 @@
+"""Helpers of ``experiments/real_models.py`` that need no checkpoint (fast; the sections end to end are
+`test_real_experiments.py`, slow)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def rerope(monkeypatch):
+    """Section 10's module, imported as its command imports it: with ``experiments/`` first on the path."""
+    monkeypatch.syspath_prepend(str(ROOT / "experiments"))
+    return importlib.import_module("real.rerope")
+
+
+def test_section_9s_seed_0_cells_stand_in_and_say_so(rerope, tmp_path):
+    yarn_16k = {"acc,none": 2 / 3, "key_loglikelihood,none": -1.13}
+    (tmp_path / "recall.json").write_text(json.dumps({"YaRN": {"hfa_passkey_16k": yarn_16k}}))
+    assert rerope.section_9_cell(tmp_path, "YaRN", "hfa_passkey_16k", 0) == {**yarn_16k, "from": "section 9"}
+    assert rerope.section_9_cell(tmp_path, "YaRN", "hfa_passkey_16k", 1) is None  # section 9 ran seed 0 only
+    assert rerope.section_9_cell(tmp_path, "YaRN", "hfa_passkey_32k", 0) is None
+    assert rerope.section_9_cell(tmp_path, "ReRoPE w2048 + logn", "hfa_passkey_16k", 0) is None
+    assert rerope.section_9_cell(tmp_path / "none", "YaRN", "hfa_passkey_16k", 0) is None
+
+    seed_1 = {"acc,none": 1 / 3, "key_loglikelihood,none": -2.25, "seconds": 474.0, "peak_gib": 10.2}
+    table = {label: {} for label in rerope.methods()}
+    table["YaRN"] = {("hfa_passkey_16k", 0): rerope.section_9_cell(tmp_path, "YaRN", "hfa_passkey_16k", 0)}
+    table["unpatched"] = {
+        ("hfa_passkey_16k", 0): rerope.section_9_cell(tmp_path, "YaRN", "hfa_passkey_16k", 0)
+    }
+    table["unpatched"][("hfa_passkey_16k", 1)] = seed_1
+    text = rerope.report(table, {16384: "hfa_passkey_16k"}, (0.0, 0.5, 1.0), (0, 1, 2), 32768, tmp_path)
+    assert "| YaRN | 2/3 (-1.13) |" in text and "| unpatched | 3/6 (-1.69) |" in text
+    cost = text.split("Time per prompt set")[1]
+    assert "| YaRN | section 9 | not run |" in cost  # reused: no time of its own
+    assert "| unpatched | 474 s, 10.2 GiB | not run |" in cost  # the mean of the cells timed here only
+    assert "| ReRoPE w2048 | not run |" in cost and (tmp_path / "rerope.png").stat().st_size > 10_000
