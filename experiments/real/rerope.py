@@ -179,21 +179,31 @@ def report(table, passkeys, depths, seeds, document_tokens, out: Path) -> str:
     )
 
 
+PPL_CEILING = 25.0
+"""The left panel's top: the methods that read past 8k stay below it; a value above is written there."""
+ANNOTATION = {"textcoords": "offset points", "ha": "center", "fontsize": 7}
+
+
 def plot(table, passkeys, depths, seeds, path: Path) -> None:
-    """Left: perplexity by position (log scale); right: passkeys found of those run, by haystack length."""
+    """Left: perplexity by position (log scale, values above `PPL_CEILING` written at the top); right:
+    passkeys found of those run, by haystack length."""
     fig, (left, right) = figure(2, width=5.2, height=3.6)
     centres = [1, 3, 6, 12, 24]  # k tokens: the middle of each bucket
     for index, (label, cells) in enumerate(table.items()):
         ppl = cells.get(("hfa_kjv_books", 0))
         style = {"linestyle": "-" if "ReRoPE" in label else "--", "color": f"C{index}"}  # one colour a method
         if ppl:
-            left.plot(
-                centres,
-                [ppl.get(f"ppl_{b},none", math.nan) for b in BUCKETS],
-                **style,
-                marker="o",
-                label=label,
-            )
+            values = [ppl.get(f"ppl_{b},none", math.nan) for b in BUCKETS]
+            left.plot(centres, [min(v, PPL_CEILING) for v in values], **style, marker="o", label=label)
+            for centre, value in zip(centres, values):
+                if value > PPL_CEILING:  # the unchanged model past 8k: written at the top, not drawn there
+                    left.annotate(
+                        f"\u2191 {value:,.0f}",
+                        (centre, PPL_CEILING),
+                        xytext=(0, -10),
+                        **ANNOTATION,
+                        color=style["color"],
+                    )
         rates = []
         for task in passkeys.values():
             runs = [cells[(task, s)] for s in seeds if (task, s) in cells]
@@ -208,6 +218,10 @@ def plot(table, passkeys, depths, seeds, path: Path) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("position / haystack (k tokens; dotted: trained 8k)")
     left.set_yscale("log")
+    left.set_ylim(top=PPL_CEILING * 1.08)
+    ticks = [4, 6, 10, 15, PPL_CEILING]
+    left.set_yticks(ticks, labels=[f"{t:g}" for t in ticks])
+    left.minorticks_off()
     left.set_ylabel("perplexity (Genesis, by position)")
     right.set_ylabel("share of passkeys found")
     right.set_ylim(-0.05, 1.05)
