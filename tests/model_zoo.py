@@ -90,11 +90,15 @@ SMALL = {
 """Sizes every type gets, where its config has the field."""
 
 _HYBRID = {"layer_types": ["linear_attention", "full_attention"]}
+_MAMBA = {"mamba_n_heads": 8, "mamba_d_state": 16}
+"""Mamba-2 mixers of 8 heads and a state of 16: the defaults' 128 heads and state of 256 took most of a test's
+time, and none of the attention the tests check."""
 OVERRIDES: dict[str, dict] = {
     # Hybrids: two layers, one of them attention (the defaults' first layers are recurrent / linear).
     "bailing_hybrid": {**_HYBRID, "mlp_layer_types": ["dense", "sparse"]},
-    "bamba": {"attn_layer_indices": [1]},
-    "granitemoehybrid": _HYBRID,
+    "bamba": {"attn_layer_indices": [1], **_MAMBA},
+    "falcon_h1": {**_MAMBA, "mamba_d_head": 8, "mamba_d_ssm": 64},  # Mamba-2 beside attention in every layer
+    "granitemoehybrid": {**_HYBRID, **_MAMBA},
     "jamba": {
         "attn_layer_period": 2,
         "attn_layer_offset": 1,
