@@ -188,7 +188,7 @@ ANNOTATION = {"textcoords": "offset points", "ha": "center", "fontsize": 7}
 def plot(table, passkeys, depths, seeds, path: Path) -> None:
     """Left: perplexity by position (log scale, values above `PPL_CEILING` written at the top); right:
     passkeys found of those run, by haystack length."""
-    fig, (left, right) = figure(2, width=5.2, height=3.6)
+    fig, (left, right) = figure(2, width=5.6, height=3.6)
     centres = [1, 3, 6, 12, 24]  # k tokens: the middle of each bucket
     for index, (label, cells) in enumerate(table.items()):
         ppl = cells.get(("hfa_kjv_books", 0))
@@ -228,10 +228,22 @@ def plot(table, passkeys, depths, seeds, path: Path) -> None:
     right.set_ylim(-0.05, 1.05)
     # One span for both panels, wide enough for the longest haystack.
     span = (0.8, max([*centres, *(n / 1024 for n in passkeys)]) * 1.3)
+    handles = {}  # one legend for both panels, beside them: a method drawn in either panel, once
     for ax in (left, right):
         ax.set_xlim(span)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=6, title="cells not run are not drawn", title_fontsize=6)
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    if handles:
+        labels = [label for label in table if label in handles]
+        right.legend(
+            [handles[label] for label in labels],
+            labels,
+            loc="upper left",
+            bbox_to_anchor=(1.02, 1),
+            fontsize=7,
+            title="cells not run are not drawn",
+            title_fontsize=7,
+        )
     fig.suptitle(
         f"{SHORT_NAME[MODEL]}: ReRoPE (+ logn) against RoPE rescaling past the trained length", fontsize=10
     )
