@@ -22,17 +22,21 @@ def rerope(monkeypatch):
 def test_section_9s_seed_0_cells_stand_in_and_say_so(rerope, tmp_path):
     yarn_16k = {"acc,none": 2 / 3, "key_loglikelihood,none": -1.13}
     (tmp_path / "recall.json").write_text(json.dumps({"YaRN": {"hfa_passkey_16k": yarn_16k}}))
-    assert rerope.section_9_cell(tmp_path, "YaRN", "hfa_passkey_16k", 0) == {**yarn_16k, "from": "section 9"}
-    assert rerope.section_9_cell(tmp_path, "YaRN", "hfa_passkey_16k", 1) is None  # section 9 ran seed 0 only
-    assert rerope.section_9_cell(tmp_path, "YaRN", "hfa_passkey_32k", 0) is None
-    assert rerope.section_9_cell(tmp_path, "ReRoPE w2048 + logn", "hfa_passkey_16k", 0) is None
-    assert rerope.section_9_cell(tmp_path / "none", "YaRN", "hfa_passkey_16k", 0) is None
+    section_9 = rerope.section_9_results(tmp_path)
+    assert rerope.section_9_cell(section_9, "YaRN", "hfa_passkey_16k", 0) == {**yarn_16k, "from": "section 9"}
+    assert rerope.section_9_cell(section_9, "YaRN", "hfa_passkey_16k", 1) is None  # section 9 ran seed 0 only
+    assert rerope.section_9_cell(section_9, "YaRN", "hfa_passkey_32k", 0) is None
+    assert rerope.section_9_cell(section_9, "ReRoPE w2048 + logn", "hfa_passkey_16k", 0) is None
+    assert (
+        rerope.section_9_cell(rerope.section_9_results(tmp_path / "none"), "YaRN", "hfa_passkey_16k", 0)
+        is None
+    )
 
     seed_1 = {"acc,none": 1 / 3, "key_loglikelihood,none": -2.25, "seconds": 474.0, "peak_gib": 10.2}
     table = {label: {} for label in rerope.methods()}
-    table["YaRN"] = {("hfa_passkey_16k", 0): rerope.section_9_cell(tmp_path, "YaRN", "hfa_passkey_16k", 0)}
+    table["YaRN"] = {("hfa_passkey_16k", 0): rerope.section_9_cell(section_9, "YaRN", "hfa_passkey_16k", 0)}
     table["unpatched"] = {
-        ("hfa_passkey_16k", 0): rerope.section_9_cell(tmp_path, "YaRN", "hfa_passkey_16k", 0)
+        ("hfa_passkey_16k", 0): rerope.section_9_cell(section_9, "YaRN", "hfa_passkey_16k", 0)
     }
     table["unpatched"][("hfa_passkey_16k", 1)] = seed_1
     text = rerope.report(table, {16384: "hfa_passkey_16k"}, (0.0, 0.5, 1.0), (0, 1, 2), 32768, tmp_path)

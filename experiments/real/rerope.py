@@ -91,6 +91,7 @@ def run(context: Context) -> str:
     jobs = [("hfa_kjv_books", 1, 0)] + [(task, None, seed) for task in passkeys.values() for seed in seeds]
     cells = [(task, limit, seed, label) for task, limit, seed in jobs for label in methods()]
     table: dict[str, dict] = {label: {} for label in methods()}
+    section_9 = {} if context.quick else section_9_results(context.out)
     for task, limit, seed, label in sorted(cells, key=priority):
         metadata = {"pretrained": path, "per_cell": 1, "seed": seed, "depths": list(depths)}
         if task == "hfa_kjv_books":
@@ -100,7 +101,7 @@ def run(context: Context) -> str:
             "/quick" if context.quick else ""
         )
         kept = context.cells.path(key).is_file()
-        reused = None if kept or context.quick else section_9_cell(context.out, label, task, seed)
+        reused = None if kept else section_9_cell(section_9, label, task, seed)
         if reused is not None:
             table[label][(task, seed)] = reused
         elif context.kept_only:  # a report of what is there, computing nothing
@@ -116,15 +117,18 @@ def run(context: Context) -> str:
     return report(table, passkeys, depths, seeds, document_tokens, context.out)
 
 
-def section_9_cell(out: Path, label: str, task: str, seed: int) -> dict | None:
+def section_9_results(out: Path) -> dict:
+    """Section 9's cells by method and task (its ``recall.json``), or none where it has not run."""
+    path = out / "recall.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def section_9_cell(section_9: dict, label: str, task: str, seed: int) -> dict | None:
     """Section 9's result for the same method and task, where this section would compute it again: section 9
     ran the same model_args on seed 0's prompts and on the same document. The four cells this section did
     compute again (the unchanged model and dynamic NTK at 4k, YaRN at 16k and 32k) found the same keys, with
     key log-likelihoods within 8e-5 nats. Marked ``"from": "section 9"``; it has no time or memory."""
-    path = out / "recall.json"
-    if seed != 0 or not path.is_file():
-        return None
-    cell = json.loads(path.read_text()).get(label, {}).get(task)
+    cell = section_9.get(label, {}).get(task) if seed == 0 else None
     return {**cell, "from": "section 9"} if cell else None
 
 
@@ -182,7 +186,6 @@ def report(table, passkeys, depths, seeds, document_tokens, out: Path) -> str:
 
 PPL_CEILING = 25.0
 """The left panel's top: the methods that read past 8k stay below it; a value above is written there."""
-ANNOTATION = {"textcoords": "offset points", "ha": "center", "fontsize": 7}
 
 
 def plot(table, passkeys, depths, seeds, path: Path) -> None:
@@ -202,7 +205,9 @@ def plot(table, passkeys, depths, seeds, path: Path) -> None:
                         f"\u2191 {value:,.0f}",
                         (centre, PPL_CEILING),
                         xytext=(0, -10),
-                        **ANNOTATION,
+                        textcoords="offset points",
+                        ha="center",
+                        fontsize=7,
                         color=style["color"],
                     )
         rates = []
