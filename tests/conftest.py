@@ -152,10 +152,8 @@ def sample_inputs(model_type: str, batch: int = 3, length: int = 11, padded: boo
 def patched_and_reference(model_type: str, attn: str, options: dict, **overrides):
     """(patched model, reference model) with identical weights; learnable parameters perturbed identically.
     ``overrides``: of the tiny model's config (`tiny_config`)."""
-    patched = tiny_model(model_type, attn, **overrides)
-    reference = copy.deepcopy(patched)
-    hfa.patch(patched, **options)
-    refs = make_reference(reference, {type(m).__name__ for m in attention_modules(reference)}, **options)
+    patched, reference = patched_beside_reference(tiny_model(model_type, attn, **overrides), options)
+    refs = [m.hfa_ref for m in reference.modules() if hasattr(m, "hfa_ref")]  # make_reference's, in its order
     states = [m.hfa for m in patched.modules() if hasattr(m, "hfa") and isinstance(m.hfa, torch.nn.Module)]
     gen = torch.Generator().manual_seed(7)
     for state, ref in zip(states, refs, strict=True):
