@@ -15,6 +15,7 @@ from conftest import (
     patched_beside_reference,
     sharp_inputs,
     sharp_model,
+    stream_logits,
     tiny_model,
 )
 from model_zoo import zoo_model
@@ -102,24 +103,31 @@ def test_the_models_own_rope_types(rope_type, option):
     _assert_matches(patched, reference, sharp_inputs(length=12))  # past 8: YaRN, llama3 and dynamic NTK act
 
 
-@pytest.mark.parametrize(
-    "model_type",
-    [
-        "gemma3_text",  # local and global layers, each with its own RoPE frequencies
-        "gpt_neox",  # partial rotary, sliced off before its own rotation
-        "smollm3",  # NoPE layers, left as they are
-    ],
-)
+OWN_FAMILIES = {
+    # a local layer (a window of 6 within the 16 tokens) and a global one, each with its own RoPE frequencies
+    "gemma3_text": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6},
+    "gpt_neox": {},  # partial rotary (a quarter of each head), sliced off before its own rotation
+    "smollm3": {"no_rope_layers": [1, 0]},  # the second layer is NoPE, left as it is
+}
+
+
+@pytest.mark.parametrize("model_type", list(OWN_FAMILIES))
 def test_families_of_their_own(model_type):
-    patched, reference = patched_beside_reference(zoo_model(model_type, "sdpa"), OPTIONS["rerope+logn"])
-    vocab = patched.config.get_text_config().vocab_size
-    _assert_matches(patched, reference, sharp_inputs(vocab=min(vocab, 100)))
+    model = zoo_model(model_type, "sdpa", **OWN_FAMILIES[model_type])
+    plain = copy.deepcopy(model)
+    patched, reference = patched_beside_reference(model, OPTIONS["rerope+logn"])
+    inputs = sharp_inputs(vocab=min(patched.config.get_text_config().vocab_size, 100))
+    got = _assert_matches(patched, reference, inputs)
+    with torch.no_grad():
+        unchanged = plain(**inputs).logits[inputs["attention_mask"].bool()]
+    assert (unchanged - got).abs().max() > 1e-3, "ReRoPE changed nothing"
 
 
 @pytest.mark.parametrize("attn", ATTNS, indirect=True)
-def test_gradients_match_reference(attn):
+@pytest.mark.parametrize("model_type", list(DECODERS))
+def test_gradients_match_reference(model_type, attn):
     options = {"rerope_window": WINDOW, "rerope_leak": LEAK, "sink_logit": "learnable"}
-    patched, reference = patched_beside_reference(sharp_model("qwen2", attn), options)
+    patched, reference = patched_beside_reference(sharp_model(model_type, attn), options)
     inputs = sharp_inputs()
     rows = inputs["attention_mask"].bool()
     grads = []
@@ -188,12 +196,32 @@ def test_a_left_padded_batch_equals_each_prompt_alone(attn):
 
 @pytest.mark.parametrize("attn", ["sdpa", "sdpa+fused"], indirect=True)
 def test_long_input_runs_in_query_chunks(monkeypatch, attn):
-    """A call longer than one chunk runs its queries in pieces, with the same result."""
+    """Where the mask bounds a chunk to fewer queries than the window, the queries run in those pieces (3, and
+    1 last), with the same result."""
     from hf_attnscale.core.call import rerope
 
     patched, reference = patched_beside_reference(sharp_model("llama", attn), OPTIONS["leaky"])
-    monkeypatch.setattr(rerope, "MASK_CHUNK", 5 * (LENGTH + WINDOW))  # 5 queries a chunk
+    monkeypatch.setattr(rerope, "MASK_CHUNK", 3 * (LENGTH + WINDOW))
+    chunks = []
+    part = rerope.KeyPart
+    monkeypatch.setattr(rerope, "KeyPart", lambda q, *rest: chunks.append(q.shape[2]) or part(q, *rest))
     _assert_matches(patched, reference, sharp_inputs())
+    assert set(chunks) == {3, 1}, chunks  # 16 queries: five chunks of 3, then 1 (unbounded: 4, the window)
+
+
+@pytest.mark.parametrize("option", ["rerope", "leaky+zero_kv"])
+@pytest.mark.parametrize("attn", ATTNS, indirect=True)
+def test_chunks_onto_the_models_cache_equal_the_whole_forward(attn, option):
+    """Several tokens a call onto keys already in the cache (as perplexity reads a long document): each chunk's
+    near and far keys reach back into the cache, so its logits are the whole forward's."""
+    from transformers import DynamicCache
+
+    model = hfa.patch(sharp_model("llama", attn), **OPTIONS[option])
+    ids = sharp_inputs(padded=False)["input_ids"]
+    with torch.no_grad():
+        whole = model(ids).logits
+        chunked = stream_logits(model, ids, DynamicCache(config=model.config), [5, 7, 4])
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -206,12 +234,24 @@ def test_long_input_runs_in_query_chunks(monkeypatch, attn):
 )
 def test_invalid_options_are_one_line(options, message):
     model = sharp_model()
-    before = copy.deepcopy(model.state_dict())
+    before = copy.deepcopy(model)
     with pytest.raises(ValueError, match=message) as error:
         hfa.patch(model, **options)
     assert "\n" not in str(error.value)
     assert hfa.get_config(model) is None
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert_unchanged(model, before)
+
+
+def assert_unchanged(model, before) -> None:
+    """``model`` is as ``before`` (its copy from before a refused patch): the same weights, no per-instance
+    forward or patch state on any module, the same backend and config."""
+    assert model.state_dict().keys() == before.state_dict().keys()
+    assert all(torch.equal(v, before.state_dict()[k]) for k, v in model.state_dict().items())
+    for module, twin in zip(model.modules(), before.modules(), strict=True):
+        assert type(module) is type(twin) and module.__dict__.keys() == twin.__dict__.keys(), type(module)
+        hooks = ("_forward_hooks", "_forward_pre_hooks")
+        assert [len(getattr(module, h)) for h in hooks] == [len(getattr(twin, h)) for h in hooks]
+    assert model.config.to_dict() == before.config.to_dict()
 
 
 @pytest.mark.parametrize(
@@ -226,15 +266,19 @@ def test_invalid_options_are_one_line(options, message):
 )
 def test_models_it_cannot_serve_are_refused(build, message):
     model = build()
-    with pytest.raises(ValueError, match=message):
+    before = copy.deepcopy(model)
+    with pytest.raises(ValueError, match=message) as error:
         hfa.patch(model, rerope_window=8)
+    assert "\n" not in str(error.value)
     assert hfa.get_config(model) is None
+    assert_unchanged(model, before)
 
 
 def test_a_sink_cache_refuses_rerope():
     model = hfa.patch(sharp_model(), rerope_window=8)
-    with pytest.raises(ValueError, match="already keeps every distance"):
+    with pytest.raises(ValueError, match="already keeps every distance") as error:
         model(torch.randint(3, SHARP_VOCAB, (1, 6)), past_key_values=hfa.SinkCache(2, 4))
+    assert "\n" not in str(error.value)
 
 
 def test_unpatch_restores_the_model():

@@ -56,18 +56,74 @@ def test_equals_the_checkpoint_loaded_with_them(name, tmp_path):
         assert torch.equal(model(ids).logits, before)
 
 
-def test_composes_with_logn_and_rerope(tmp_path):
-    """NTK + logn (Qwen's recipe) and YaRN + ReRoPE: the loaded YaRN model with those patches, exactly."""
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [
+        ("dynamic", {"scale": "logn", "train_length": TRAINED}),  # Qwen's dynamic NTK + logn
+        ("yarn", {"scale": "logn", "train_length": TRAINED, "rerope_window": 8}),  # YaRN + ReRoPE + logn
+    ],
+)
+def test_composes_with_logn_and_rerope(tmp_path, name, options):
+    """The checkpoint loaded with the rescaling, then patched with the other options (and its reference), equals
+    the model patched with all of them at once; unpatch gives the model back exactly."""
     model = sharp_model("llama", max_position_embeddings=TRAINED)
-    loaded = _loaded_with(model, RESCALINGS["yarn"], tmp_path)
-    options = {"scale": "logn", "train_length": TRAINED, "rerope_window": 8}
-    hfa.patch(model, rope_parameters=RESCALINGS["yarn"], **options)
-    reference = copy.deepcopy(loaded)
-    make_reference(reference, {type(m).__name__ for m in attention_modules(reference)}, **options)
+    loaded = _loaded_with(model, RESCALINGS[name], tmp_path)
     with torch.no_grad():
-        torch.testing.assert_close(model(_ids()).logits, reference(_ids()).logits, atol=1e-5, rtol=1e-5)
+        before = model(_ids()).logits
+        hfa.patch(model, rope_parameters=RESCALINGS[name], **options)
+        reference = copy.deepcopy(loaded)
+        make_reference(reference, {type(m).__name__ for m in attention_modules(reference)}, **options)
+        got = model(_ids()).logits
+        torch.testing.assert_close(got, reference(_ids()).logits, atol=1e-5, rtol=1e-5)
         hfa.patch(loaded, **options)
-        torch.testing.assert_close(model(_ids()).logits, loaded(_ids()).logits, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(got, loaded(_ids()).logits, atol=1e-6, rtol=1e-6)
+        hfa.unpatch(model)
+        assert torch.equal(model(_ids()).logits, before)
+
+
+def test_by_layer_type_on_a_model_with_several(tmp_path):
+    """Gemma-3's local and global layers each have their own RoPE: a rescaling given for the global layers
+    alone equals the checkpoint loaded with it there (the local layers' own kept); one not given by layer type
+    is refused in one line, naming the types."""
+    from model_zoo import zoo_model
+
+    model = zoo_model("gemma3_text", layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    own = model.config.rope_parameters
+    given = {"full_attention": {"rope_type": "linear", "factor": 4.0}}
+    model.save_pretrained(tmp_path)
+    full = {**given["full_attention"], "rope_theta": own["full_attention"]["rope_theta"]}
+    loaded = AutoModelForCausalLM.from_pretrained(
+        tmp_path, rope_parameters={**own, "full_attention": full}
+    ).eval()
+    ids = _ids() % model.config.vocab_size
+    with torch.no_grad():
+        before = model(ids).logits
+        hfa.patch(model, rope_parameters=given)
+        got = model(ids).logits
+        assert (got - before).abs().max() > 1e-3, "the rescaling changed nothing"
+        torch.testing.assert_close(got, loaded(ids).logits, atol=1e-6, rtol=1e-6)
+        hfa.unpatch(model)
+        assert torch.equal(model(ids).logits, before)
+    with pytest.raises(
+        ValueError, match=r"set per layer type \(sliding_attention, full_attention\); give"
+    ) as error:
+        hfa.patch(model, rope_parameters=RESCALINGS["yarn"])
+    assert "\n" not in str(error.value) and hfa.get_config(model) is None
+
+
+def test_keeps_the_models_rotary_share(tmp_path):
+    """A model that rotates part of each head (GPT-NeoX, a quarter) keeps that share under a rescaling that
+    does not give its own: the checkpoint loaded with YaRN and its own share."""
+    from model_zoo import zoo_model
+
+    model = zoo_model("gpt_neox", max_position_embeddings=TRAINED)
+    share = model.config.rope_parameters["partial_rotary_factor"]
+    assert share < 1
+    loaded = _loaded_with(model, {**RESCALINGS["yarn"], "partial_rotary_factor": share}, tmp_path)
+    ids = _ids() % model.config.vocab_size
+    with torch.no_grad():
+        hfa.patch(model, rope_parameters=RESCALINGS["yarn"])
+        torch.testing.assert_close(model(ids).logits, loaded(ids).logits, atol=1e-6, rtol=1e-6)
 
 
 def test_patching_again_replaces_it(tmp_path):
@@ -101,7 +157,11 @@ def test_survives_save_and_reload(tmp_path):
             {"rope_type": "cubic", "factor": 2.0},
             "unknown rope_type 'cubic'; transformers' are default, linear",
         ),
-        ({"rope_type": "llama3", "factor": 4.0}, "rope_parameters"),  # no low/high_freq_factor
+        (
+            {"rope_type": "llama3", "factor": 4.0},
+            r"rope_parameters \{.*\}: Missing required keys in `rope_parameters` for 'rope_type'='llama3': "
+            r"\{'(high|low)_freq_factor', '(high|low)_freq_factor'\}$",
+        ),
         ("yarn", "rope_parameters must be transformers' rope_parameters dict"),
     ],
 )

@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 
 import pytest
-from transformers import AutoTokenizer
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_attnscale.checkpoints.models import default_model_path
-from hf_attnscale.evaluation.passkey import FILLER, NEEDLE, QUESTION, passkey_prompts
+from hf_attnscale.evaluation.passkey import FILLER, NEEDLE, QUESTION, passkey_prompts, passkey_recall
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +62,31 @@ def test_the_tasks_build_and_score_by_depth():
     assert mean_present([r["acc_depth_0"] for r in rows]) == 1.0
     assert mean_present([r["acc_depth_75"] for r in rows]) == 0.0
     assert math.isnan(mean_present([None, None]))
+
+
+@pytest.mark.parametrize("favoured", ["none", "all-but-the-last", "all"])
+def test_recall_is_the_keys_argmax_and_log_likelihood(tokenizer, favoured):
+    """`passkey_recall` against the definition on the whole forward's logits: found when every key token is the
+    argmax, and the key's log-likelihood summed over its tokens. The shipped model finds no key; a bias of 30 on
+    the key's tokens in its logits makes it find the key only where every key token has it."""
+    model = AutoModelForCausalLM.from_pretrained(default_model_path()).eval()
+    prompt = passkey_prompts(tokenizer, [120], [0.5], seed=1)[0]
+    key = tokenizer(" " + prompt.key, add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([tokenizer(prompt.context)["input_ids"] + key])
+    count = {"none": 0, "all-but-the-last": len(key) - 1, "all": len(key)}[favoured]
+    rows = torch.arange(ids.shape[1] - 1 - len(key), ids.shape[1] - 1)[:count]  # the key's tokens' rows
+
+    def bias(module, args, logits):
+        logits[0, rows, ids[0, rows + 1]] += 30.0
+        return logits
+
+    model.lm_head.register_forward_hook(bias)
+    with torch.no_grad():
+        logits = model(ids).logits[0, :-1][-len(key) :]
+    targets = ids[0, -len(key) :]
+    want_found = bool((logits.argmax(-1) == targets).all())
+    want = logits.double().log_softmax(-1).gather(-1, targets[:, None]).sum().item()
+    got = passkey_recall(model, tokenizer, prompt)
+    assert got.found == want_found == (favoured == "all")
+    assert abs(got.loglikelihood - want) < 1e-4, (got.loglikelihood, want)
+    assert (got.length, got.depth) == (120, 0.5)

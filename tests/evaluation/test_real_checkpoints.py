@@ -47,7 +47,7 @@ from hf_attnscale.checkpoints.real import (
     RegistryUnreachable,
     fetch_gguf,
 )
-from hf_attnscale.core.call import key_parts
+from hf_attnscale.core.call import cpu_flash, key_parts
 from hf_attnscale.core.install.families import attention_modules
 from hf_attnscale.evaluation.corpus import builtin_documents
 
@@ -176,13 +176,17 @@ def _rerope_cases():
                 yield pytest.param(name, option, attn, marks=() if default else pytest.mark.slow)
 
 
-@pytest.mark.parametrize(("name", "option", "attn"), _rerope_cases())
+@pytest.mark.parametrize(("name", "option", "attn"), list(_rerope_cases()))
 def test_rerope_equals_the_reference(loaded, name, option, attn, monkeypatch):
     """ReRoPE on the real weights against the reference that rotates raw q and k pair by pair (its own twin:
     the reference replaces the model's rotary embedding by the identity). "sdpa+fused": the CPU's fused key
     parts, which the rest of the suite leaves off."""
     attn, _, fused = attn.partition("+")
     monkeypatch.setenv("HF_ATTNSCALE_FUSED_PARTS", "1" if fused else "0")
+    monkeypatch.setattr(key_parts.CHECK, "verdicts", {})  # this model's heads checked afresh
+    calls = []
+    kernel = cpu_flash.flash_forward
+    monkeypatch.setattr(cpu_flash, "flash_forward", lambda *args: calls.append(1) or kernel(*args))
     case = loaded[name]
     reference = copy.deepcopy(case.model)
     make_reference(reference, {type(m).__name__ for m in attention_modules(reference)}, **RERoPE[option])
@@ -196,6 +200,30 @@ def test_rerope_equals_the_reference(loaded, name, option, attn, monkeypatch):
     assert moved > 100 * LOGIT_ATOL, f"ReRoPE moves the output by only {moved:.2e}"
     if fused:  # the kernel served this model's heads, and passed its check
         assert key_parts.CHECK.verdicts and all(key_parts.CHECK.verdicts.values())
+    assert bool(calls) == bool(fused), len(calls)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", pytest.param("sdpa+fused", marks=pytest.mark.slow)])
+def test_rerope_gradients_equal_the_references_on_smollm2(loaded, attn, monkeypatch):
+    """Backward through ReRoPE + logn on SmolLM2's real weights: every weight's gradient equals the reference's,
+    relative to its size; "sdpa+fused" through the CPU's fused key parts."""
+    attn, _, fused = attn.partition("+")
+    monkeypatch.setenv("HF_ATTNSCALE_FUSED_PARTS", "1" if fused else "0")
+    case = loaded["smollm2-135m"]
+    patched, reference = copy.deepcopy(case.model), copy.deepcopy(case.model)
+    patched.set_attn_implementation(attn)
+    hfa.patch(patched, **RERoPE["rerope+logn"])
+    make_reference(
+        reference, {type(m).__name__ for m in attention_modules(reference)}, **RERoPE["rerope+logn"]
+    )
+    grads = []
+    for model in (patched, reference):
+        model(**case.inputs).logits[case.rows].float().pow(2).mean().backward()
+        grads.append({name: p.grad for name, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 100
+    for name, want in grads[1].items():
+        error = (grads[0][name] - want).abs().max() / want.abs().max()
+        assert error < 1e-4, (name, error.item())
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -16,11 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DECODERS, ENCODERS, VOCAB, sharp_model, tiny_config, tiny_model
+from conftest import DECODERS, ENCODERS, SHARP_VOCAB, VOCAB, sharp_model, tiny_config, tiny_model
 from peft import LoraConfig, PeftModel, get_peft_model
+from reference import make_reference
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
 import hf_attnscale as hfa
+from hf_attnscale.core.install.families import attention_modules
 from hf_attnscale.core.install.routing import cache_argument
 from hf_attnscale.integrations.peft_adapters import ADAPTER_PATCH_FILE, attention_projections
 
@@ -58,10 +60,12 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def batch(model_type: str, size: int = 2, length: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
+def batch(
+    model_type: str, size: int = 2, length: int = 16, seed: int = 0, vocab: int = VOCAB
+) -> dict[str, torch.Tensor]:
     """A fixed batch of repeating 5-token patterns: learnable within a few steps by attention-only LoRA."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (size, 5), generator=gen).repeat(1, length // 5 + 1)[:, :length]
+    ids = torch.randint(3, vocab, (size, 5), generator=gen).repeat(1, length // 5 + 1)[:, :length]
     labels = ids.clone()
     if model_type not in DECODERS:  # masked LM: hide a fixed third of the tokens (id 2) and predict those
         hidden = torch.zeros_like(ids, dtype=torch.bool)
@@ -132,18 +136,34 @@ def test_lora_trains_every_family(model_type):
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_lora_trains_through_rerope(attn, tmp_path):
-    """A LoRA fine-tune through ReRoPE with a learnable sink (each query chunk's doubled channels are plain
-    attention, so every gradient reaches its weights), saved and loaded back onto a fresh patched base."""
+    """A LoRA fine-tune through ReRoPE with a learnable sink, on a sharp model: the trained model, in training
+    mode and in eval mode, equals the reference (tests/reference.py) with its merged weights and learned sinks;
+    saved and loaded back onto a fresh patched base, it gives the same logits."""
     options = {"rerope_window": 4, "rerope_leak": 4.0, "sink_logit": "learnable"}
-    model = peft_model("llama", options, attn)
+    model = hfa.patch(sharp_model("llama", attn), **options)
+    torch.manual_seed(1)
+    model = get_peft_model(model, hfa.lora_config(model, r=4, lora_alpha=8))
     before = patch_params(model)
-    inputs = batch("llama")
+    inputs = batch("llama", vocab=SHARP_VOCAB)
     losses = train(model, inputs, steps=10)
     assert losses[-1] < losses[0] - 0.08, losses
     after = patch_params(model)
     assert after and all(not torch.equal(before[name], after[name]) for name in after)
+
+    merged = copy.deepcopy(model).merge_and_unload()
+    sinks = [m.hfa.sink.detach() for m in attention_modules(merged)]
+    hfa.unpatch(merged)
+    refs = make_reference(merged, {type(m).__name__ for m in attention_modules(merged)}, **options)
+    for ref, sink in zip(refs, sinks, strict=True):
+        ref.sink.data.copy_(sink)
+    for mode in (True, False):  # dropout is 0: training mode computes what eval mode does
+        model.train(mode), merged.train(mode)
+        with torch.no_grad():
+            got, want = model(**inputs).logits, merged(**inputs).logits
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
     model.save_pretrained(tmp_path / "adapter")
-    reloaded = hfa.load_adapter(lm_model("llama", attn), tmp_path / "adapter")
+    reloaded = hfa.load_adapter(sharp_model("llama", attn), tmp_path / "adapter")
     assert hfa.get_config(reloaded).rerope_window == 4
     torch.testing.assert_close(logits(reloaded, inputs), logits(model, inputs), atol=1e-5, rtol=1e-5)
 

@@ -69,7 +69,8 @@ def rescaled(rotary: nn.Module, rope_parameters: dict[str, Any]) -> nn.Module:
         config.validate_rope()
         built = type(original)(config=config)
     except (KeyError, ValueError, TypeError) as error:
-        raise ValueError(f"rope_parameters {rope_parameters}: {str(error).splitlines()[0]}") from None
+        reason = error.args[0] if isinstance(error, KeyError) and error.args else str(error)  # no repr quotes
+        raise ValueError(f"rope_parameters {rope_parameters}: {str(reason).splitlines()[0]}") from None
     built.to(original.inv_freq.device if hasattr(original, "inv_freq") else None)
     built.__dict__[ORIGINAL_ATTR] = original
     return built
