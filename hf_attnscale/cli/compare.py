@@ -20,8 +20,8 @@ from .options import (
     add_data_arguments,
     add_model_arguments,
     add_output_arguments,
+    add_recall_arguments,
     count_type,
-    depths_type,
     device,
     documents,
     length_marks,
@@ -30,7 +30,7 @@ from .options import (
     model_name,
     trained_length,
 )
-from .results import Tokenized, row_printer, run_sweep, tokenized, write_results
+from .results import Tokenized, recall, row_printer, run_sweep, tokenized, write_results
 
 if TYPE_CHECKING:
     from torch import nn
@@ -44,8 +44,6 @@ CACHE = 256
 MULTIPLES = (1, 2, 4, 8)
 """The default lengths, as multiples of the smallest cache: minutes for a 135M model on two CPU cores."""
 DOCUMENTS = 2
-DEPTHS = (0.0, 0.5, 1.0)
-"""Where the passkey is stated, by default: first, middle, last."""
 RECOMPUTE_EVERY = 32
 FEW_TOKENS = 200
 """Re-computation scoring fewer tokens than this gets a warning that its estimate is noisy."""
@@ -92,15 +90,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=DOCUMENTS,
         help=f"held-out documents to evaluate (default {DOCUMENTS}; more is slower and steadier)",
     )
-    recall = parser.add_argument_group("recall (a passkey prompt per length and depth, for each variant)")
-    recall.add_argument(
-        "--passkey-depths",
-        type=depths_type,
-        default=DEPTHS,
-        metavar="D,...",
-        help="where the key is stated, fractions of the haystack (default 0,0.5,1)",
-    )
-    recall.add_argument("--no-passkeys", action="store_true", help="leave recall out")
+    add_recall_arguments(parser)
     recompute = parser.add_argument_group("re-computation (a model call per scored token: slow)")
     recompute.add_argument(
         "--recompute-every",
@@ -230,82 +220,6 @@ def applicable(model: nn.Module, variants: Sequence[Variant]) -> tuple[list[Vari
             continue
         kept.append(variant)
     return kept, notes
-
-
-def recall(
-    args: argparse.Namespace,
-    model: nn.Module,
-    tokenizer: object,
-    variants: Sequence[Variant],
-    lengths: Sequence[int],
-    train_length: int | None,
-) -> tuple[dict[str, list[dict]], str]:
-    """Each variant on one passkey prompt per length and depth (seed 0): prints the table as rows finish,
-    draws passkeys.png; returns every prompt's result, by variant, and a note on what was run."""
-    from tqdm.auto import tqdm
-
-    from hf_attnscale.evaluation.figure import passkey_figure
-    from hf_attnscale.evaluation.lengths import length_label
-    from hf_attnscale.evaluation.passkey import passkey_prompts, passkey_recall
-
-    prompts, short = [], []
-    for length in lengths:
-        try:
-            prompts += passkey_prompts(tokenizer, [length], args.passkey_depths)
-        except ValueError:  # too short for the key and the question
-            short.append(length)
-    lengths = [n for n in lengths if n not in short]
-    if not lengths:
-        return {}, f"recall left out: every length is too short for a passkey prompt ({short[-1]} tokens)."
-    depths = ", ".join(f"{d:.0%}" for d in args.passkey_depths)
-    print(
-        f"\nPasskeys found (every key token the model's top choice) of {len(args.passkey_depths)} prompts per "
-        f"length (key at {depths} of the haystack), and the key's mean log-likelihood (a guess: about -11.5):\n\n"
-        f"| variant | {' | '.join(length_label(n, train_length) for n in lengths)} |\n"
-        f"|---|{'---|' * len(lengths)}",
-        flush=True,
-    )
-    table, found = {}, {}
-    bar = tqdm(
-        total=len(variants) * len(prompts),
-        desc="passkeys",
-        unit="prompt",
-        disable=None if args.progress is None else not args.progress,
-    )
-    with bar:
-        for variant in variants:
-            with variant.applied(model):
-                results = []
-                for prompt in prompts:
-                    results.append(
-                        passkey_recall(model, tokenizer, prompt, variant.new_cache(), args.chunk_size)
-                    )
-                    bar.update()
-            table[variant.name] = [vars(r) for r in results]
-            cells, found[variant.name] = [], []
-            for length in lengths:
-                at = [r for r in results if r.length == length]
-                hits = sum(r.found for r in at)
-                found[variant.name].append((hits, len(at)))
-                cells.append(f"{hits}/{len(at)} ({sum(r.loglikelihood for r in at) / len(at):.1f})")
-            bar.write(f"| {variant.name} | {' | '.join(cells)} |")
-    within = [i for i, n in enumerate(lengths) if train_length is None or n <= train_length]
-    plain = found.get(variants[0].name) if variants else None
-    unable = bool(within) and plain is not None and not any(plain[i][0] for i in within)
-    figure = passkey_figure(lengths, found, train_length=train_length)
-    args.out.mkdir(parents=True, exist_ok=True)
-    figure.savefig(args.out / "passkeys.png")
-    note = (
-        f"recall: one passkey prompt per length and depth, seed 0; the figure is {args.out / 'passkeys.png'}"
-    )
-    if short:
-        note += f"; no prompt at {', '.join(map(str, short))} tokens (too short for the key and the question)"
-    if unable:
-        note += (
-            f"; {variants[0].name} finds no key even within the trained length, so this model cannot do the task "
-            "and recall tells nothing about the variants here"
-        )
-    return table, note + "."
 
 
 def logn_variant(train_length: int) -> Variant:

@@ -1,5 +1,6 @@
 """``hf-attnscale eval``: one configuration of a model (plus, optionally, the unpatched baseline) at several
-lengths: perplexity for a causal LM, MLM accuracy and pseudo-perplexity for a masked LM."""
+lengths: perplexity and recall (passkeys, as ``compare`` reads them) for a causal LM, MLM accuracy and
+pseudo-perplexity for a masked LM."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from .options import (
     add_data_arguments,
     add_model_arguments,
     add_output_arguments,
+    add_recall_arguments,
     count_type,
     device,
     documents,
@@ -26,7 +28,7 @@ from .options import (
     model_name,
     trained_length,
 )
-from .results import row_printer, run_sweep, tokenized, write_results
+from .results import recall, row_printer, run_sweep, tokenized, write_results
 
 if TYPE_CHECKING:
     from torch import nn
@@ -41,9 +43,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "eval",
         help="a model, patched or not, at several lengths (perplexity; MLM measures for encoders)",
-        description="Evaluate one configuration of a model at several lengths: perplexity for a causal LM; "
-        "MLM accuracy and pseudo-perplexity for a masked LM (an encoder). A model saved with a patch runs "
-        "with it; patch options given here replace it. --baseline adds the unpatched model.",
+        description="Evaluate one configuration of a model at several lengths: perplexity and recall "
+        "(passkeys) for a causal LM; MLM accuracy and pseudo-perplexity for a masked LM (an encoder). A model "
+        "saved with a patch runs with it; patch options given here replace it. --baseline adds the unpatched "
+        "model.",
     )
     add_model_arguments(parser)
     add_data_arguments(parser)
@@ -69,6 +72,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         type=count_type(0),
         help="sink tokens kept (default with --window: SinkCache's, StreamingLLM's choice)",
     )
+    add_recall_arguments(parser)
     parser.add_argument("--baseline", action="store_true", help="also evaluate the unpatched model")
     parser.add_argument("--name", help="label of the configuration in the table and plot")
     parser.add_argument("--max-documents", type=count_type(1), help="evaluate at most this many documents")
@@ -137,6 +141,14 @@ def run(args: argparse.Namespace) -> int:
         )
     if rank:
         return 0
+    passkeys, notes = None, []
+    if measure == "perplexity":
+        if args.no_passkeys:
+            notes.append("recall left out (--no-passkeys).")
+        else:
+            passkeys, note = recall(args, model, tokenizer, variants, sorted(set(args.lengths)), train_length)
+            notes.append(note)
+        print("\n" + "\n".join(f"note: {note}" for note in notes), flush=True)
     return write_results(
         args,
         result,
@@ -145,23 +157,34 @@ def run(args: argparse.Namespace) -> int:
         model=model_name(args),
         data=args.data,
         device=str(on),
+        passkeys=passkeys,
+        notes=notes,
     )
 
 
 def describe(options: dict[str, Any], sink_tokens: int, window: int | None) -> str:
-    """A short label for a configuration, e.g. ``logn(L=4096) + sink+window (4+1020)``."""
+    """A short label for a configuration, e.g. ``ReRoPE(w=2048) + logn(L=8192) + sink+window (4+1020)``: every
+    option given, the common ones by a short name, any other as ``name=value``."""
+    rest = {k: v for k, v in options.items() if v is not None and v is not False}
     parts = []
-    if options.get("scale") and options["scale"] != "none":
-        beta = f", beta={options['beta']}" if options.get("beta") is not None else ""
-        parts.append(f"{options['scale']}(L={options['train_length']}{beta})")
-    if options.get("zero_kv"):
+    rope = rest.pop("rope_parameters", None)
+    if rope is not None:
+        flat = "rope_type" in rope and "factor" in rope
+        parts.append(f"{rope['rope_type']}(x{rope['factor']:g})" if flat else f"rope_parameters={rope}")
+    rerope, leak = rest.pop("rerope_window", None), rest.pop("rerope_leak", None)
+    if rerope is not None:
+        parts.append(f"leaky ReRoPE(w={rerope}, k={leak:g})" if leak is not None else f"ReRoPE(w={rerope})")
+    scale, train_length, beta = (
+        rest.pop("scale", "none"),
+        rest.pop("train_length", None),
+        rest.pop("beta", None),
+    )
+    if scale != "none":
+        parts.append(f"{scale}(L={train_length}{'' if beta is None else f', beta={beta}'})")
+    if rest.pop("zero_kv", None):
         parts.append("zero-kv")
-    if options.get("sink_logit") is not None:
-        parts.append(f"sink-logit={options['sink_logit']}")
-    if options.get("clipped_softmax") is not None:
-        parts.append(f"clipped={options['clipped_softmax']}")
-    if options.get("gate") is not None:
-        parts.append(f"gate={options['gate']}")
+    short = {"sink_logit": "sink-logit", "clipped_softmax": "clipped", "gate": "gate"}
+    parts += [f"{short.get(name, name.replace('_', '-'))}={value}" for name, value in rest.items()]
     if window is not None:
         from hf_attnscale.evaluation.variants import cache_label
 

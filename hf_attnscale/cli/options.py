@@ -76,6 +76,25 @@ def add_output_arguments(parser: argparse.ArgumentParser, out: str) -> None:
     add_progress_argument(parser)
 
 
+PASSKEY_DEPTHS = (0.0, 0.5, 1.0)
+"""Where the passkey is stated, by default: first, middle, last."""
+
+
+def add_recall_arguments(parser: argparse.ArgumentParser) -> None:
+    """The passkey flags of ``compare`` and ``eval`` (causal LMs)."""
+    recall = parser.add_argument_group(
+        "recall (causal LMs: a passkey prompt per length and depth, for each variant)"
+    )
+    recall.add_argument(
+        "--passkey-depths",
+        type=depths_type,
+        default=PASSKEY_DEPTHS,
+        metavar="D,...",
+        help="where the key is stated, fractions of the haystack (default 0,0.5,1)",
+    )
+    recall.add_argument("--no-passkeys", action="store_true", help="leave recall out")
+
+
 def add_progress_argument(parser: argparse.ArgumentParser, default: bool | None = None) -> None:
     """``--progress`` / ``--no-progress``: progress bars on stderr, by default on a terminal only (None)."""
     when = "on a terminal" if default is None else "on" if default else "off"

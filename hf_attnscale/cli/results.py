@@ -1,5 +1,5 @@
-"""What ``demo`` and ``eval`` share: a sweep whose table is printed a row at a time as each variant finishes,
-then written to ``results.json`` and ``ppl_vs_length.png``."""
+"""What ``demo``, ``eval`` and ``compare`` share: a sweep whose table is printed a row at a time as each variant
+finishes, then written to ``results.json`` and ``ppl_vs_length.png``; recall (passkeys) beside it."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
 
     from hf_attnscale.evaluation.corpus import Document
     from hf_attnscale.evaluation.lengths import LengthMark
@@ -97,6 +98,85 @@ def row_printer(lengths: Sequence[int], train_length: int | None, measure: str) 
         print(table_row(rows, seconds), flush=True)
 
     return print_row
+
+
+def recall(
+    args: argparse.Namespace,
+    model: nn.Module,
+    tokenizer: object,
+    variants: Sequence[Variant],
+    lengths: Sequence[int],
+    train_length: int | None,
+) -> tuple[dict[str, list[dict]], str]:
+    """Each variant on one passkey prompt per length and depth (``args.passkey_depths``, seed 0): prints the
+    table as rows finish, draws passkeys.png; returns every prompt's result, by variant, and a note on what was
+    run (and, where the first variant is the unpatched model and finds no key within ``train_length``, that
+    the model cannot do the task)."""
+    from tqdm.auto import tqdm
+
+    from hf_attnscale.evaluation.figure import passkey_figure
+    from hf_attnscale.evaluation.lengths import length_label
+    from hf_attnscale.evaluation.passkey import passkey_prompts, passkey_recall
+
+    prompts, short = [], []
+    for length in lengths:
+        try:
+            prompts += passkey_prompts(tokenizer, [length], args.passkey_depths)
+        except ValueError:  # too short for the key and the question
+            short.append(length)
+    lengths = [n for n in lengths if n not in short]
+    if not lengths:
+        return {}, f"recall left out: every length is too short for a passkey prompt ({short[-1]} tokens)."
+    depths = ", ".join(f"{d:.0%}" for d in args.passkey_depths)
+    print(
+        f"\nPasskeys found (every key token the model's top choice) of {len(args.passkey_depths)} prompts per "
+        f"length (key at {depths} of the haystack), and the key's mean log-likelihood (a guess: about -11.5):\n\n"
+        f"| variant | {' | '.join(length_label(n, train_length) for n in lengths)} |\n"
+        f"|---|{'---|' * len(lengths)}",
+        flush=True,
+    )
+    table, found = {}, {}
+    bar = tqdm(
+        total=len(variants) * len(prompts),
+        desc="passkeys",
+        unit="prompt",
+        disable=None if args.progress is None else not args.progress,
+    )
+    with bar:
+        for variant in variants:
+            with variant.applied(model):
+                results = []
+                for prompt in prompts:
+                    results.append(
+                        passkey_recall(model, tokenizer, prompt, variant.new_cache(), args.chunk_size)
+                    )
+                    bar.update()
+            table[variant.name] = [vars(r) for r in results]
+            cells, found[variant.name] = [], []
+            for length in lengths:
+                at = [r for r in results if r.length == length]
+                hits = sum(r.found for r in at)
+                found[variant.name].append((hits, len(at)))
+                cells.append(f"{hits}/{len(at)} ({sum(r.loglikelihood for r in at) / len(at):.1f})")
+            bar.write(f"| {variant.name} | {' | '.join(cells)} |")
+    within = [i for i, n in enumerate(lengths) if train_length is None or n <= train_length]
+    first = variants[0] if variants else None
+    plain = found[first.name] if first is not None and first.patch is None and not first.streaming else None
+    unable = bool(within) and plain is not None and not any(plain[i][0] for i in within)
+    figure = passkey_figure(lengths, found, train_length=train_length)
+    args.out.mkdir(parents=True, exist_ok=True)
+    figure.savefig(args.out / "passkeys.png")
+    note = (
+        f"recall: one passkey prompt per length and depth, seed 0; the figure is {args.out / 'passkeys.png'}"
+    )
+    if short:
+        note += f"; no prompt at {', '.join(map(str, short))} tokens (too short for the key and the question)"
+    if unable:
+        note += (
+            f"; {variants[0].name} finds no key even within the trained length, so this model cannot do the task "
+            "and recall tells nothing about the variants here"
+        )
+    return table, note + "."
 
 
 def write_results(

@@ -84,6 +84,49 @@ def test_eval_writes_table_json_and_plot(model_dir, data_file, tmp_path, capsys)
     assert by_position[name][2] != pytest.approx(by_position["unpatched"][2], rel=1e-4)
 
 
+def test_eval_reads_recall_beside_perplexity_with_rerope(model_dir, data_file, tmp_path, capsys):
+    """eval takes the patch options compare's variants use (ReRoPE, leaky or not, RoPE rescaling) and reads
+    recall as compare does: a passkey table beside perplexity, in results.json and passkeys.png."""
+    out_dir = tmp_path / "rerope"
+    code, out, err = run(
+        capsys,
+        *("eval", "--model", str(model_dir), "--data", str(data_file), "--lengths", "256,512"),
+        *("--rerope-window", "16", "--scale", "logn", "--train-length", "64", "--baseline"),
+        *("--max-documents", "1", "--passkey-depths", "0,1", "--device", "cpu", "--out", str(out_dir)),
+        "--no-progress",
+    )
+    assert code == 0, err
+    name = "ReRoPE(w=16) + logn(L=64)"
+    recall_table = out.split("Passkeys found")[1].split("\n\n")[1]
+    assert recall_table.startswith("| variant | 256 (4x) | 512 (8x) |")
+    assert [line.split(" | ")[0][2:] for line in recall_table.splitlines()[2:]] == ["unpatched", name]
+    saved = json.loads((out_dir / "results.json").read_text())
+    assert saved["variants"][1]["patch"] == {"rerope_window": 16, "scale": "logn", "train_length": 64}
+    found = saved["passkeys"][name]
+    assert [(r["length"], r["depth"]) for r in found] == [(256, 0.0), (256, 1.0), (512, 0.0), (512, 1.0)]
+    ppl = {(r["variant"], r["length"]): r["ppl"] for r in saved["rows"]}
+    assert ppl[(name, 512)] != pytest.approx(ppl[("unpatched", 512)], rel=1e-4)
+    assert (out_dir / "passkeys.png").read_bytes()[:4] == b"\x89PNG"
+    assert any(note.startswith("recall: one passkey prompt per length and depth") for note in saved["notes"])
+
+
+@pytest.mark.parametrize(
+    ("options", "label"),
+    [
+        ({"scale": "logn", "train_length": 16}, "logn(L=16)"),
+        ({"rerope_window": 8, "rerope_leak": 16.0}, "leaky ReRoPE(w=8, k=16)"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "yarn(x4)"),
+        ({"scale": "ssmax", "train_length": 16, "clamp": True}, "ssmax(L=16) + clamp=True"),
+        ({"zero_kv": True, "gate": "head"}, "zero-kv + gate=head"),
+    ],
+)
+def test_eval_names_a_configuration_by_every_option_given(options, label):
+    from hf_attnscale.cli.eval import describe
+
+    assert describe(options, 0, None) == label
+    assert describe(options, 4, 60) == label + " + sink+window (4+60)"
+
+
 @pytest.mark.parametrize("command", ["eval", "diagnose"])
 def test_a_scale_without_train_length_takes_the_models_as_compare_does(
     command, model_dir, data_file, tmp_path, capsys
