@@ -185,6 +185,20 @@ def test_decoding_with_yarns_attention_scaling_and_no_mask(option):
 
 
 @pytest.mark.parametrize("attn", ATTNS, indirect=True)
+def test_a_sliding_window_within_the_input(attn):
+    """Mistral's sliding window (6 keys, shorter than the 16 tokens) under ReRoPE's window of 4, on unpadded
+    rows: the whole forward and each decoding step against the reference."""
+    model = sharp_model("mistral", attn, sliding_window=6)
+    patched, reference = patched_beside_reference(model, OPTIONS["rerope"])
+    inputs = sharp_inputs(padded=False)
+    _assert_matches(patched, reference, inputs)
+    out = patched.generate(input_ids=inputs["input_ids"][:, :8], max_new_tokens=8, **GREEDY)
+    with torch.no_grad():
+        whole = reference(input_ids=out.sequences).logits
+    torch.testing.assert_close(torch.stack(out.logits, 1), whole[:, 7:-1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attn", ATTNS, indirect=True)
 def test_a_left_padded_batch_equals_each_prompt_alone(attn):
     model = hfa.patch(sharp_model("qwen2", attn), **OPTIONS["leaky"])
     inputs = sharp_inputs()
