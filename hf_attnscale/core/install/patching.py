@@ -79,6 +79,8 @@ def patch(model: M, *, config: AttnScaleConfig | None = None, **options: Any) ->
 
     Example:
         >>> hfa.patch(model, scale="logn", train_length=4096, zero_kv=True)
+        >>> hfa.patch(model, rerope_window=2048, scale="logn", train_length=8192)  # ReRoPE + logn, past 8k
+        >>> hfa.patch(model, rope_parameters={"rope_type": "yarn", "factor": 4.0})  # YaRN on a loaded model
     """
     requested = AttnScaleConfig.from_options(**options)
     if config is not None and requested is not None:
