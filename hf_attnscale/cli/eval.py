@@ -5,10 +5,11 @@ pseudo-perplexity for a masked LM."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
-from hf_attnscale.core.options.config import OPTION_NAMES
+from hf_attnscale.core.options.config import OPTION_NAMES, AttnScaleConfig
 from hf_attnscale.core.options.flags import add_patch_arguments
 
 from .options import (
@@ -164,8 +165,10 @@ def run(args: argparse.Namespace) -> int:
 
 def describe(options: dict[str, Any], sink_tokens: int, window: int | None) -> str:
     """A short label for a configuration, e.g. ``ReRoPE(w=2048) + logn(L=8192) + sink+window (4+1020)``: every
-    option given, the common ones by a short name, any other as ``name=value``."""
-    rest = {k: v for k, v in options.items() if v is not None and v is not False}
+    option that differs from its default (a saved patch lists them all), the common ones by a short name, any
+    other as ``name=value``."""
+    defaults = {field.name: field.default for field in dataclasses.fields(AttnScaleConfig)}
+    rest = {k: v for k, v in options.items() if v != defaults.get(k)}
     parts = []
     rope = rest.pop("rope_parameters", None)
     if rope is not None:
@@ -181,6 +184,8 @@ def describe(options: dict[str, Any], sink_tokens: int, window: int | None) -> s
     )
     if scale != "none":
         parts.append(f"{scale}(L={train_length}{'' if beta is None else f', beta={beta}'})")
+        if rest.get("clamp") == AttnScaleConfig(scale=scale, train_length=train_length, beta=beta).clamp:
+            del rest["clamp"]  # the law's own default, resolved in a saved patch
     if rest.pop("zero_kv", None):
         parts.append("zero-kv")
     short = {"sink_logit": "sink-logit", "clipped_softmax": "clipped", "gate": "gate"}

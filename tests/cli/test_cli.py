@@ -117,6 +117,8 @@ def test_eval_reads_recall_beside_perplexity_with_rerope(model_dir, data_file, t
         ({"rerope_window": 8, "rerope_leak": 16.0}, "leaky ReRoPE(w=8, k=16)"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "yarn(x4)"),
         ({"scale": "ssmax", "train_length": 16, "clamp": True}, "ssmax(L=16) + clamp=True"),
+        ({"scale": "logn", "train_length": 16, "clamp": True, "zero_kv": False}, "logn(L=16)"),  # defaults
+        ({"scale": "logn", "train_length": 16, "clamp": False}, "logn(L=16) + clamp=False"),
         ({"zero_kv": True, "gate": "head"}, "zero-kv + gate=head"),
     ],
 )
