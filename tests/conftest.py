@@ -206,6 +206,20 @@ def sharp_model(model_type: str = "llama", attn: str = "sdpa", seed: int = 0, **
     return sharpen(build(AutoModelForCausalLM, config, attn, seed), None, embeddings=True)
 
 
+def watch_fused_parts(monkeypatch, on: bool) -> list:
+    """The CPU's fused key parts (`hf_attnscale.core.call.key_parts`) switched ``on`` or off for this test, their
+    first-use verdicts cleared so the test's own heads are checked; returns a list that each call of the kernel
+    appends to."""
+    from hf_attnscale.core.call import cpu_flash, key_parts
+
+    monkeypatch.setenv(key_parts.ENV_SWITCH, "1" if on else "0")
+    monkeypatch.setattr(key_parts.CHECK, "verdicts", {})
+    calls = []
+    kernel = cpu_flash.flash_forward
+    monkeypatch.setattr(cpu_flash, "flash_forward", lambda *args: calls.append(1) or kernel(*args))
+    return calls
+
+
 def patched_beside_reference(model: torch.nn.Module, options: dict):
     """(``model`` patched with ``options``, its eager reference (tests/reference.py)), the same weights."""
     reference = copy.deepcopy(model)

@@ -157,13 +157,8 @@ def run(args: argparse.Namespace) -> int:
         notes.append("re-computation left out (--no-recompute).")
     else:
         notes.append(add_recompute(args, model, texts, result, caches, printer))
-    passkeys = None
-    if args.no_passkeys:
-        notes.append("recall left out (--no-passkeys).")
-    else:
-        passkeys, note = recall(args, model, tokenizer, variants, sorted(set(lengths)), shown_length)
-        notes.append(note)
-    print("\n" + "\n".join(f"note: {note}" for note in notes), flush=True)
+    passkeys, note = recall(args, model, tokenizer, variants, sorted(set(lengths)), shown_length)
+    notes.append(note)
     marks = length_marks(args, model)  # the config's trained length first, then a --train-length that differs
     return write_results(
         args,

@@ -144,12 +144,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     passkeys, notes = None, []
     if measure == "perplexity":
-        if args.no_passkeys:
-            notes.append("recall left out (--no-passkeys).")
-        else:
-            passkeys, note = recall(args, model, tokenizer, variants, sorted(set(args.lengths)), train_length)
-            notes.append(note)
-        print("\n" + "\n".join(f"note: {note}" for note in notes), flush=True)
+        passkeys, note = recall(args, model, tokenizer, variants, sorted(set(args.lengths)), train_length)
+        notes.append(note)
     return write_results(
         args,
         result,

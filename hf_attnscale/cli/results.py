@@ -107,11 +107,13 @@ def recall(
     variants: Sequence[Variant],
     lengths: Sequence[int],
     train_length: int | None,
-) -> tuple[dict[str, list[dict]], str]:
-    """Each variant on one passkey prompt per length and depth (``args.passkey_depths``, seed 0): prints the
-    table as rows finish, draws passkeys.png; returns every prompt's result, by variant, and a note on what was
-    run (and, where the first variant is the unpatched model and finds no key within ``train_length``, that
-    the model cannot do the task)."""
+) -> tuple[dict[str, list[dict]] | None, str]:
+    """Each variant on one passkey prompt per length and depth (``args.passkey_depths``, seed 0; none with
+    ``args.no_passkeys``): prints the table as rows finish, draws passkeys.png; returns every prompt's result, by
+    variant, and a note on what was run (and, where the first variant is the unpatched model and finds no key
+    within ``train_length``, that the model cannot do the task)."""
+    if args.no_passkeys:
+        return None, "recall left out (--no-passkeys)."
     from tqdm.auto import tqdm
 
     from hf_attnscale.evaluation.figure import passkey_figure
@@ -173,7 +175,7 @@ def recall(
         note += f"; no prompt at {', '.join(map(str, short))} tokens (too short for the key and the question)"
     if unable:
         note += (
-            f"; {variants[0].name} finds no key even within the trained length, so this model cannot do the task "
+            f"; {first.name} finds no key even within the trained length, so this model cannot do the task "
             "and recall tells nothing about the variants here"
         )
     return table, note + "."
@@ -188,8 +190,10 @@ def write_results(
     title: str | None = None,
     **info: Any,
 ) -> int:
-    """Record the run in the result (``info``, the command, the wall time), write its JSON and plot, which
-    marks ``marks`` (`hf_attnscale.cli.options.length_marks`)."""
+    """Record the run in the result (``info``, the command, the wall time), print its notes (``info["notes"]``)
+    and write its JSON and plot, which marks ``marks`` (`hf_attnscale.cli.options.length_marks`)."""
+    if info.get("notes"):
+        print("\n" + "\n".join(f"note: {note}" for note in info["notes"]), flush=True)
     seconds = time.perf_counter() - started
     result.marks = list(marks)
     result.info.update(info, command=shlex.join(["hf-attnscale", *args.argv]), wall_seconds=seconds)

@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import watch_fused_parts
 from core.test_exit import Attention
 from core.test_fused_exit import FAULTS
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -148,12 +149,7 @@ def test_a_row_that_sees_only_the_exit_is_zero():
 @pytest.fixture
 def switched_on(monkeypatch):
     """The fused path on, no verdict kept from before; yields the kernel calls' counter."""
-    monkeypatch.setenv(key_parts.ENV_SWITCH, "1")
-    monkeypatch.setattr(key_parts.CHECK, "verdicts", {})
-    calls = []
-    kernel = cpu_flash.flash_forward
-    monkeypatch.setattr(cpu_flash, "flash_forward", lambda *args: calls.append(1) or kernel(*args))
-    return calls
+    return watch_fused_parts(monkeypatch, True)
 
 
 def through_attention(parts, sinks, fusable=True):

@@ -17,11 +17,12 @@ from conftest import (
     sharp_model,
     stream_logits,
     tiny_model,
+    watch_fused_parts,
 )
 from model_zoo import zoo_model
 
 import hf_attnscale as hfa
-from hf_attnscale.core.call import cpu_flash, key_parts
+from hf_attnscale.core.call import key_parts
 
 WINDOW, LEAK, LENGTH = 4, 3.0, 16
 ROPE_TYPES = {  # transformers' own rope_parameters, each with what the tiny model's RoPE needs
@@ -60,11 +61,7 @@ def attn(request, monkeypatch):
     formulation every device runs, tests/conftest.py); there the kernel must have done the work, and with a
     clipped softmax, which it cannot serve, never."""
     name, _, fused = request.param.partition("+")
-    monkeypatch.setenv(key_parts.ENV_SWITCH, "1" if fused else "0")
-    monkeypatch.setattr(key_parts.CHECK, "verdicts", {})
-    calls = []
-    kernel = cpu_flash.flash_forward
-    monkeypatch.setattr(cpu_flash, "flash_forward", lambda *args: calls.append(1) or kernel(*args))
+    calls = watch_fused_parts(monkeypatch, bool(fused))
     yield name
     if fused:
         assert all(key_parts.CHECK.verdicts.values())

