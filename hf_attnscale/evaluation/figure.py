@@ -291,10 +291,14 @@ def passkey_figure(
             ax.text(column, row, f"{k}/{n}" if n else "not run", ha="center", va="center", fontsize=8)
     ax.set_xticks(range(len(lengths)), [length_label(n, train_length) for n in lengths])
     ax.set_yticks(range(len(names)), names, fontsize=8)
-    if train_length is not None and any(n > train_length for n in lengths):
-        ax.axvline(sum(n <= train_length for n in lengths) - 0.5, color="black", lw=1, ls="--")
-    ax.set_xlabel("haystack length (tokens)" + (" (dashed: the trained length)" if train_length else ""))
+    within = sum(n <= train_length for n in lengths) if train_length is not None else len(lengths)
+    if 0 < within < len(lengths):  # a line between the lengths within the trained length and those past it
+        ax.axvline(within - 0.5, color="black", lw=1, ls="--")
+    note = {0: " (all past the trained length)", len(lengths): ""}.get(
+        within, " (dashed: the trained length)"
+    )
+    ax.set_xlabel("haystack length (tokens)" + note)
     ax.set_title(
-        title or "passkeys found (every key token the model's top choice), of the prompts run", fontsize=9
+        title or "passkeys found (every key token the model's top choice),\nof the prompts run", fontsize=9
     )
     return fig
