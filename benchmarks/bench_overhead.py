@@ -27,7 +27,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_attnscale as hfa
-from hf_attnscale.core.call.fused_exit import ENV_SWITCH
+from hf_attnscale.core.call import flex_parts, fused_exit, key_parts
 
 VARIANTS = {
     "unpatched": None,
@@ -36,10 +36,12 @@ VARIANTS = {
     "logn+sink": {"scale": "logn", "train_length": 512, "sink_logit": "learnable"},
     "logn+zero_kv public": {"scale": "logn", "train_length": 512, "zero_kv": True},
     "rerope+logn": {"rerope_window": 1024, "scale": "logn", "train_length": 512},
+    "rerope+logn public": {"rerope_window": 1024, "scale": "logn", "train_length": 512},
 }
-PUBLIC = {"logn+zero_kv public"}
-"""Variants whose exit takes the public formulation, as on accelerators (the CPU's fused kernel switched off);
-the others take what a user gets on this device."""
+PUBLIC = {"logn+zero_kv public", "rerope+logn public"}
+"""Variants that take the public formulation, every fast path switched off (the CPU's fused exit and key parts,
+CUDA's flex key bands); the others take what a user gets on this device."""
+FAST_PATHS = (fused_exit.ENV_SWITCH, key_parts.ENV_SWITCH, flex_parts.ENV_SWITCH)
 
 
 SHAPES = {
@@ -102,7 +104,8 @@ def build_model(
 
 def apply_variant(model: LlamaForCausalLM, name: str) -> None:
     hfa.unpatch(model)
-    os.environ[ENV_SWITCH] = "0" if name in PUBLIC else "1"
+    for switch in FAST_PATHS:
+        os.environ[switch] = "0" if name in PUBLIC else "1"
     if VARIANTS[name] is not None:
         hfa.patch(model, **VARIANTS[name])
 

@@ -34,10 +34,14 @@ REROPE_LOGN = {"rerope_window": 1024, "scale": "logn", "train_length": 8192}
 VARIANTS = {  # name: (patch options, environment)
     "unpatched": ({}, {}),
     "ReRoPE + logn": (REROPE_LOGN, {}),
-    "ReRoPE + logn, public formulation": (REROPE_LOGN, {"HF_ATTNSCALE_FUSED_PARTS": "0"}),
+    "ReRoPE + logn, public formulation": (
+        REROPE_LOGN,
+        {"HF_ATTNSCALE_FUSED_PARTS": "0", "HF_ATTNSCALE_FLEX_PARTS": "0"},
+    ),
 }
-"""The default ReRoPE takes the CPU's fused key parts (`hf_attnscale.core.call.key_parts`); the public
-formulation, doubled channels through public sdpa, is what accelerators run."""
+"""The default ReRoPE takes the device's fast path: the CPU's fused key parts (`hf_attnscale.core.call.key_parts`),
+CUDA's flex key bands (`hf_attnscale.core.call.flex_parts`); the public formulation, doubled channels through
+public sdpa, is what other devices run."""
 
 
 OPTIONS = ("tokens", "window", "steps", "threads", "shape", "device", "dtype")

@@ -2,7 +2,8 @@
 # The measurements that need a CUDA machine, in stages that each fit one call of 10 minutes:
 #
 #   bash benchmarks/gpu_session.sh tests       # the gpu suite (-m gpu) and the exit's tests
-#   bash benchmarks/gpu_session.sh rerope      # ReRoPE + logn against unpatched at 16k, SmolLM2's shape, bf16, sdpa
+#   bash benchmarks/gpu_session.sh rerope      # ReRoPE + logn (flex bands, and public) against unpatched at 16k and
+#                                              # 32k, Llama-3.2-1B's shape; then at 16k, SmolLM2's shape; bf16, sdpa
 #   bash benchmarks/gpu_session.sh overhead    # patched/unpatched at 4k/16k/32k, Llama-3.2-1B's shapes, bf16, sdpa
 #   bash benchmarks/gpu_session.sh memory      # the exit with a learnable sink under a padding mask, 16k and 32k
 #   bash benchmarks/gpu_session.sh streaming   # throughput, memory at 16k against 256k, generate() at 1k against 64k
@@ -58,8 +59,11 @@ run_stage() {
         return $((gpu || $?))
         ;;
     rerope)
-        python3 benchmarks/bench_rerope.py --device cuda --shape smollm2-135m-shape --dtype bfloat16 --tokens 16384 \
-            --repeats 5 --variants "ReRoPE + logn" 2>&1 | tee "$results/rerope.log"
+        python3 benchmarks/bench_overhead.py "${shape[@]}" --lengths 16384,32768 --repeats 3,2 \
+            --backward-max-length 16384 --variants "unpatched,rerope+logn,rerope+logn public" \
+            --json "$results/overhead-rerope.json" 2>&1 | tee "$results/overhead-rerope.log" &&
+            python3 benchmarks/bench_rerope.py --device cuda --shape smollm2-135m-shape --dtype bfloat16 \
+                --tokens 16384 --repeats 3 --variants "ReRoPE + logn" 2>&1 | tee "$results/rerope.log"
         ;;
     overhead)
         python3 benchmarks/bench_overhead.py "${shape[@]}" --lengths 4096,16384,32768 --repeats 7,5,3 \

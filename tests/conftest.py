@@ -220,6 +220,21 @@ def watch_fused_parts(monkeypatch, on: bool) -> list:
     return calls
 
 
+def watch_flex_bands(monkeypatch) -> list:
+    """The flex key bands (`hf_attnscale.core.call.flex_parts`, CUDA's ReRoPE path) switched on for the CPU, where
+    flex runs uncompiled and forward only: its first-use check, which runs backward too, is the GPU suite's.
+    Returns a list that each call of the path appends to."""
+    from hf_attnscale.core.call import flex_parts
+
+    monkeypatch.setattr(flex_parts, "LEAST_HEAD_DIM", {"cpu": 1})
+    monkeypatch.setattr(flex_parts.CHECK, "verdicts", {})
+    monkeypatch.setattr(flex_parts, "_check", lambda *args: None)
+    calls = []
+    attention = flex_parts.attention
+    monkeypatch.setattr(flex_parts, "attention", lambda *args: calls.append(1) or attention(*args))
+    return calls
+
+
 def patched_beside_reference(model: torch.nn.Module, options: dict):
     """(``model`` patched with ``options``, its eager reference (tests/reference.py)), the same weights."""
     reference = copy.deepcopy(model)

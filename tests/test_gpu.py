@@ -2,8 +2,8 @@
 the exit through sdpa in fp32, bf16 and fp16 at head dims 64 / 128 / 256 (one-token decoding with GQA, a
 prompt after a cache, padding), under autocast, with a learnable mask bias and beside a family's own sinks;
 streaming in chunks against token by token; batched generate with left padding; unpatch; bf16 at 32k tokens;
-ReRoPE (the public formulation accelerators run: key parts on doubled channels) forward, backward, generate and
-at 32k tokens, and a RoPE rescaling against the checkpoint loaded with it.
+ReRoPE (on CUDA under sdpa the flex key bands, with their check; else key parts on doubled channels) forward,
+backward, generate and at 32k tokens, and a RoPE rescaling against the checkpoint loaded with it.
 
     python -m pytest -m gpu                  # on CUDA (every test skips where there is none)
     python -m pytest -m gpu --device cpu     # the same tests on the CPU: checks this suite without a GPU
@@ -40,7 +40,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.utils import is_flash_attn_2_available
 
 import hf_attnscale as hfa
-from hf_attnscale.core.call import exit
+from hf_attnscale.core.call import exit, flex_parts
 
 pytestmark = pytest.mark.gpu
 
@@ -339,16 +339,28 @@ RE_ROPE = {  # window 4 on 16 tokens: most keys are far
 
 
 def rerope_pair(device: torch.device, attn: str, options: dict):
-    """(patched, reference) sharp llama models on the device, same weights; the reference rotates q and k by
-    the clamped distance in plain eager code (tests/reference.py)."""
-    return tuple(model.to(device) for model in patched_beside_reference(sharp_model("llama", attn), options))
+    """(patched, reference) sharp llama models on the device (heads of 16, which flex takes), same weights; the
+    reference rotates q and k by the clamped distance in plain eager code (tests/reference.py)."""
+    model = sharp_model("llama", attn, **HEADS)
+    return tuple(model.to(device) for model in patched_beside_reference(model, options))
+
+
+@pytest.fixture
+def flex_bands(monkeypatch) -> list:
+    """Each call of CUDA's flex key bands (`hf_attnscale.core.call.flex_parts`), their verdicts cleared first."""
+    monkeypatch.setattr(flex_parts.CHECK, "verdicts", {})
+    calls = []
+    attention = flex_parts.attention
+    monkeypatch.setattr(flex_parts, "attention", lambda *args: calls.append(1) or attention(*args))
+    return calls
 
 
 @pytest.mark.parametrize("option", list(RE_ROPE))
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])  # flex and flash are refused, with the reason
-def test_rerope_matches_reference_on_the_device(device, attn, option):
+def test_rerope_matches_reference_on_the_device(device, attn, option, flex_bands):
     """Forward and every gradient against the plain reference, fp32 (a learnable sink's own gradient is
-    non-zero); and the patch moved the logits."""
+    non-zero); and the patch moved the logits. Under sdpa on CUDA the flex key bands did the work, having
+    passed their check; elsewhere the public formulation."""
     patched, reference = rerope_pair(device, attn, RE_ROPE[option])
     inputs = on(device, sharp_inputs())
     rows = inputs["attention_mask"].bool()
@@ -367,16 +379,30 @@ def test_rerope_matches_reference_on_the_device(device, attn, option):
         theirs = want[name].grad
         scale = theirs.abs().max()
         torch.testing.assert_close(p.grad, theirs, atol=1e-5 * scale, rtol=1e-4, msg=name)
+    assert bool(flex_bands) == (device.type == "cuda" and attn == "sdpa"), len(flex_bands)
+    assert all(flex_parts.CHECK.verdicts.values()), flex_parts.CHECK.verdicts
     hfa.unpatch(patched)
     with torch.no_grad():
         plain = patched(**inputs).logits[rows]
     assert (plain - outputs[0]).abs().max() > 1e-3, "ReRoPE changed nothing"
 
 
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("exit_logits", [False, True])
+@pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
+def test_flex_bands_pass_their_check_on_the_device(device, dtype, exit_logits, masked):
+    """The check that guards CUDA's flex key bands, forward and backward against the plain formula in float64,
+    at SmolLM2's heads (9 query, 3 key-value, 64 wide), compiled."""
+    if device.type != "cuda":
+        pytest.skip("flex key bands serve on CUDA")
+    combination = flex_parts.Combination(dtype, 64, 9, 3, exit_logits, masked)
+    assert flex_parts._check(combination, None, device) is None
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_rerope_generate_through_the_cache_on_the_device(device, attn):
     """Each decoding step's logits are the whole sequence's at that step, left padding included."""
-    model = hfa.patch(sharp_model("llama", attn), **RE_ROPE["leaky+zero_kv"]).to(device)
+    model = hfa.patch(sharp_model("llama", attn, **HEADS), **RE_ROPE["leaky+zero_kv"]).to(device)
     inputs = on(device, sharp_inputs(length=6))
     out = model.generate(**inputs, max_new_tokens=12, **GREEDY)
     mask = torch.cat([inputs["attention_mask"], torch.ones(2, 12, dtype=torch.long, device=device)], dim=1)
@@ -388,7 +414,7 @@ def test_rerope_generate_through_the_cache_on_the_device(device, attn):
 def test_rerope_bf16_at_32k_tokens_holds_no_square(device):
     """32k tokens in query chunks: finite, and the forward's peak stays far below one 32k x 32k score matrix
     (on CUDA, where the allocator reports it)."""
-    model = tiny_model("llama", num_hidden_layers=1).to(device, torch.bfloat16)
+    model = tiny_model("llama", num_hidden_layers=1, **HEADS).to(device, torch.bfloat16)
     hfa.patch(model, rerope_window=1024, scale="logn", train_length=64)
     ids = torch.randint(3, VOCAB, (1, 32768), device=device)
     if device.type == "cuda":

@@ -17,6 +17,7 @@ from conftest import (
     sharp_model,
     stream_logits,
     tiny_model,
+    watch_flex_bands,
     watch_fused_parts,
 )
 from model_zoo import zoo_model
@@ -58,17 +59,23 @@ OPTIONS = {
 @pytest.fixture
 def attn(request, monkeypatch):
     """The backend by name. "sdpa+fused" is sdpa with the CPU's fused key parts on (the suite runs the public
-    formulation every device runs, tests/conftest.py); there the kernel must have done the work, and with a
-    clipped softmax, which it cannot serve, never."""
-    name, _, fused = request.param.partition("+")
-    calls = watch_fused_parts(monkeypatch, bool(fused))
+    formulation every device runs, tests/conftest.py), "sdpa+flex" with CUDA's flex key bands, run on the CPU
+    (forward only); there the fast path must have done the work, and with a clipped softmax, which it cannot
+    serve, never."""
+    name, _, fast = request.param.partition("+")
+    calls = watch_fused_parts(monkeypatch, fast == "fused")
+    if fast == "flex":
+        calls = watch_flex_bands(monkeypatch)
     yield name
-    if fused:
+    if fast == "fused":
         assert all(key_parts.CHECK.verdicts.values())
+    if fast:
         assert bool(calls) == ("clipped" not in request.node.name), len(calls)
 
 
 ATTNS = ["sdpa", "sdpa+fused", "eager"]
+FORWARD_ATTNS = [*ATTNS, "sdpa+flex"]
+"""Also flex's bands, which run no backward on the CPU."""
 
 
 def _assert_matches(patched, reference, inputs):
@@ -79,7 +86,7 @@ def _assert_matches(patched, reference, inputs):
     return got[rows]
 
 
-@pytest.mark.parametrize("attn", ATTNS, indirect=True)
+@pytest.mark.parametrize("attn", FORWARD_ATTNS, indirect=True)
 @pytest.mark.parametrize("option", list(OPTIONS))
 @pytest.mark.parametrize("model_type", list(DECODERS))
 def test_matches_reference(model_type, option, attn):
@@ -156,7 +163,7 @@ def test_a_window_past_the_input_is_the_unpatched_model(model_type):
 
 
 @pytest.mark.parametrize("option", ["rerope", "leaky+zero_kv"])
-@pytest.mark.parametrize("attn", ATTNS, indirect=True)
+@pytest.mark.parametrize("attn", FORWARD_ATTNS, indirect=True)
 def test_generate_through_the_models_cache_equals_the_whole_forward(attn, option):
     """Each decoding step reads the raw keys its cache holds; its logits are the whole sequence's at that step."""
     model = hfa.patch(sharp_model("llama", attn), **OPTIONS[option])
@@ -181,7 +188,7 @@ def test_decoding_with_yarns_attention_scaling_and_no_mask(option):
     torch.testing.assert_close(torch.stack(out.logits, 1), whole[:, 5:-1], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("attn", ATTNS, indirect=True)
+@pytest.mark.parametrize("attn", FORWARD_ATTNS, indirect=True)
 def test_a_sliding_window_within_the_input(attn):
     """Mistral's sliding window (6 keys, shorter than the 16 tokens) under ReRoPE's window of 4, on unpadded
     rows: the whole forward and each decoding step against the reference."""
@@ -195,7 +202,7 @@ def test_a_sliding_window_within_the_input(attn):
     torch.testing.assert_close(torch.stack(out.logits, 1), whole[:, 7:-1], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("attn", ATTNS, indirect=True)
+@pytest.mark.parametrize("attn", FORWARD_ATTNS, indirect=True)
 def test_a_left_padded_batch_equals_each_prompt_alone(attn):
     model = hfa.patch(sharp_model("qwen2", attn), **OPTIONS["leaky"])
     inputs = sharp_inputs()
@@ -221,7 +228,7 @@ def test_long_input_runs_in_query_chunks(monkeypatch, attn):
 
 
 @pytest.mark.parametrize("option", ["rerope", "leaky+zero_kv"])
-@pytest.mark.parametrize("attn", ATTNS, indirect=True)
+@pytest.mark.parametrize("attn", FORWARD_ATTNS, indirect=True)
 def test_chunks_onto_the_models_cache_equal_the_whole_forward(attn, option):
     """Several tokens a call onto keys already in the cache (as perplexity reads a long document): each chunk's
     near and far keys reach back into the cache, so its logits are the whole forward's."""

@@ -39,8 +39,9 @@ class Backend:
         soft_caps: the backend applies a family's ``softcap`` to the scores (sdpa ignores it).
         exit: how the exit (zero_kv / sink logit) runs on it.
         exit_on_cpu: whether the exit can run on the CPU (flex's sinks need CUDA: transformers' own limit).
-        cpu_flash: on the CPU, key parts (ReRoPE's) may take PyTorch's flash kernel in place of the backend
-            (`hf_attnscale.core.call.key_parts`): the backend is that kernel's public face, sdpa.
+        fused_parts: ReRoPE's key parts may take a fused kernel in place of the backend, PyTorch's flash kernel
+            on the CPU (`hf_attnscale.core.call.key_parts`) and flex_attention on CUDA
+            (`hf_attnscale.core.call.flex_parts`): the backend is sdpa, whose kernels these are.
     """
 
     name: str
@@ -48,7 +49,7 @@ class Backend:
     soft_caps: bool
     exit: ExitFn
     exit_on_cpu: bool = True
-    cpu_flash: bool = False
+    fused_parts: bool = False
 
     def function(self, module: nn.Module) -> AttentionFn:
         """The backend's attention function for ``module``: eager is the one of the module's own modeling file."""
@@ -89,7 +90,7 @@ BACKENDS: dict[str, Backend] = {
     backend.name: backend
     for backend in (
         Backend("eager", bottom_right=False, soft_caps=True, exit=_bias_folded(extra_key_attention)),
-        Backend("sdpa", bottom_right=False, soft_caps=False, exit=_bias_folded(_sdpa_exit), cpu_flash=True),
+        Backend("sdpa", bottom_right=False, soft_caps=False, exit=_bias_folded(_sdpa_exit), fused_parts=True),
         Backend("flash_attention_2", bottom_right=True, soft_caps=True, exit=native_exit),
         Backend("flash_attention_3", bottom_right=True, soft_caps=True, exit=native_exit),
         Backend("flex_attention", bottom_right=False, soft_caps=True, exit=native_exit, exit_on_cpu=False),

@@ -11,10 +11,13 @@ The patched module's forward runs with the identity rotation (`hf_attnscale.core
 call receives raw queries and keys, and its cache stores raw keys; here they are rotated both ways. Each query
 chunk's keys are two parts under one softmax (`hf_attnscale.core.call.key_parts`): the far keys ``k``, scored by
 ``R(w) q``, and the near ones ``R(j) k``, scored by ``R(i) q``, each shown to the queries it is far or near to.
-On the CPU under sdpa the flash kernel runs each part at the model's width and the parts merge by their
-log-sum-exp; elsewhere (accelerators, eager, a clipped softmax, dropout, float64) the parts go side by side on
-doubled channels, one call of the backend. A chunk with no far keys is one call at the model's width. A chunk of queries [a, a + c) only ever sees
-near keys in [a − w + 1, a + c) and far keys before a + c − w, so no T × T tensor is ever held.
+On CUDA under sdpa the queries are not chunked: the near and far keys are two bands of distance, each one call
+of the compiled flex kernel over the whole sequence, merged by their log-sum-exp
+(`hf_attnscale.core.call.flex_parts`). On the CPU under sdpa PyTorch's flash kernel runs each chunk's parts at
+the model's width, merged the same way; elsewhere (eager, a clipped softmax, dropout, float64) the parts go side
+by side on doubled channels, one call of the backend. A chunk with no far keys is one call at the model's width.
+A chunk of queries [a, a + c) only ever sees near keys in [a − w + 1, a + c) and far keys before a + c − w, so
+no T × T tensor is ever held.
 
 Positions are counted in the cache (the queries are its last ones): a row's distances are those of its tokens
 whenever its positions are consecutive, left padding included (the padding is masked).
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_attnscale.core.call.flex_parts import Band, BandsFn
 from hf_attnscale.core.call.key_parts import KeyPart, PartsFn
 from hf_attnscale.core.call.masks import visible_entries
 from hf_attnscale.core.call.rope import CosSin, RopeFn, RotaryFrequencies, rotate
@@ -62,17 +66,19 @@ def rerope_attention(
     mask: torch.Tensor | None,
     *,
     sliding_window: int | None = None,
+    bands: BandsFn | None = None,
 ) -> torch.Tensor:
     """ReRoPE over raw ``query`` ``(B, H, Tq, D)`` and ``key`` / ``value`` ``(B, Hkv, Tk, D)``, causal, the queries
     being the last ``Tq`` keys; ``mask`` None (causal, ``sliding_window`` keys at most) or 4D, bool or
-    additive. Returns ``(B, Tq, H, Dv)``."""
+    additive. Several queries go to ``bands`` where it is given (the accelerator's whole-sequence path), else to
+    ``attend`` in chunks. Returns ``(B, Tq, H, Dv)``."""
     q_len, k_len, dtype = query.shape[2], key.shape[2], query.dtype
     past, window = k_len - q_len, call.window
     device = query.device
     positions = torch.arange(k_len, device=device)[None]
     if q_len == 1:
         return _decode(attend, call, query, key, value, mask, sliding_window, positions)
-    lowest = max(0, past - window + 1)  # no key before it is near to any query of this call
+    lowest = 0 if bands is not None else max(0, past - window + 1)  # no key before it is near to any query
     if past == 0 and call.own[0].shape[-2] == k_len:
         near_cos_sin = call.own  # the model's own, for its prefill
     else:
@@ -89,6 +95,15 @@ def rerope_attention(
         far_k = (
             key if unscaled else rotate(call.rope, key, call.frequencies.cos_sin(positions[:, :1] * 0, dtype))
         )
+    if bands is not None:
+        limit = min(sliding_window or k_len, k_len)  # every distance seen is below it
+        parts = [Band(near_q, near_k, value, 0, min(window, limit))]
+        if window < limit:
+            parts.insert(0, Band(far_q, far_k, value, window, limit))
+        visible = None
+        if mask is not None:
+            visible = visible_entries(mask[..., :k_len]).expand(*mask.shape[:2], q_len, k_len)
+        return bands(parts, visible)
     # Queries per chunk: at most a window's (a chunk's keys past the causal edge are its own, so the work stays
     # within a window's worth of dense causal attention) and a mask of at most MASK_CHUNK entries.
     rows = max(1, min(window, MASK_CHUNK // (k_len + window)))

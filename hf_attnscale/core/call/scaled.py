@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hf_attnscale.core.call import key_parts
+from hf_attnscale.core.call import flex_parts, key_parts
 from hf_attnscale.core.call.backends import Backend
 from hf_attnscale.core.call.clipped import clipped_softmax_attention
 from hf_attnscale.core.call.exit import AttentionFn
@@ -109,8 +109,9 @@ def scaled_attention(
     else:  # ReRoPE: each chunk's near and far keys, under one softmax
         sliding_window = kwargs.pop("sliding_window", None)
         kwargs["is_causal"] = False
+        scaling = kwargs.get("scaling")
         fusable = (
-            backend.cpu_flash
+            backend.fused_parts
             and config.clipped_softmax is None
             and not kwargs.get("dropout")
             and kwargs.get("softcap") is None
@@ -119,10 +120,25 @@ def scaled_attention(
 
         def attend_parts(parts):
             chunk = lambda q, k, v, mask: attend(q, k, v, mask, causal=False)  # noqa: E731
-            return key_parts.attention(chunk, parts, exit_logits, kwargs.get("scaling"), fusable=fusable)
+            return key_parts.attention(chunk, parts, exit_logits, scaling, fusable=fusable)
 
+        def attend_bands(bands, visible):
+            return flex_parts.attention(bands, visible, exit_logits, scaling)
+
+        whole = (
+            fusable
+            and query.shape[2] > 1
+            and flex_parts.serves(query, key, value, exit_logits, attention_mask is not None, scaling)
+        )
         out = rerope_attention(
-            attend_parts, rerope, query, key, value, attention_mask, sliding_window=sliding_window
+            attend_parts,
+            rerope,
+            query,
+            key,
+            value,
+            attention_mask,
+            sliding_window=sliding_window,
+            bands=attend_bands if whole else None,
         )
         weights = None
     if hooks is not None and hooks.output is not None:
