@@ -15,7 +15,9 @@
 # under a minute; tests took 153 s (the gpu suite 64 s of it), rerope 186 s, and overhead more than 5 minutes
 # (4k alone about 100 s with every variant). At 32k, a forward and backward with ReRoPE does not fit in 139 GiB,
 # so overhead times only the forward there. A session with 15 minutes of device time fits tests, rerope and part
-# of overhead; name the stages in the order you need them.
+# of overhead; name the stages in the order you need them. The second session (same day, same kind of machine) ran
+# `pytest -m gpu -k "rerope or flex"` (67 s) and the rerope stage, which needs about 5 minutes whole (its
+# bench_overhead part took about 100 s; a 290 s limit stopped bench_rerope after 2 of its 3 repeats).
 #
 # A failing stage is recorded and the next one runs; the exit status is that of the last failure. Results
 # accumulate in $RESULTS (default gpu-out/, ignored by git, kept on a warm machine between calls): each stage's

@@ -212,6 +212,23 @@ def test_a_left_padded_batch_equals_each_prompt_alone(attn):
     torch.testing.assert_close(batch[1, 3:], alone[0], atol=1e-5, rtol=1e-5)
 
 
+def test_flex_past_its_recompile_limit_takes_the_chunks(monkeypatch):
+    """Where torch.compile will compile flex no more (its limit hit, fullgraph), the call takes the chunked
+    formulation, with the same result and one warning, rather than flex uncompiled (every score held)."""
+    from hf_attnscale.core.call import flex_parts
+
+    calls = watch_flex_bands(monkeypatch)
+
+    def at_the_limit(*args):
+        raise flex_parts._RECOMPILE_LIMIT("Hard failure due to fullgraph=True")
+
+    monkeypatch.setattr(flex_parts, "_kernel", lambda device_type: at_the_limit)
+    patched, reference = patched_beside_reference(sharp_model("qwen2", "sdpa"), OPTIONS["leaky+zero_kv"])
+    with pytest.warns(RuntimeWarning, match="recompile limit"):
+        _assert_matches(patched, reference, sharp_inputs())
+    assert calls
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "sdpa+fused"], indirect=True)
 def test_long_input_runs_in_query_chunks(monkeypatch, attn):
     """Where the mask bounds a chunk to fewer queries than the window, the queries run in those pieces (3, and

@@ -21,10 +21,12 @@ from __future__ import annotations
 import functools
 import math
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
+import torch._dynamo
 
 from hf_attnscale.core.call import cpu_flash
 from hf_attnscale.core.call.key_parts import KeyPart, plain_parts
@@ -52,7 +54,7 @@ class Band(NamedTuple):
     hi: int
 
 
-BandsFn = Callable[[Sequence[Band], torch.Tensor | None], torch.Tensor]
+BandsFn = Callable[[Sequence[Band], torch.Tensor | None], torch.Tensor | None]
 """Attention over bands, with the model's mask as bool ``(B|1, 1|H, Tq, Tk)`` or None (causal):
 ``(bands, visible) -> (B, Tq, H, D)``."""
 
@@ -102,34 +104,30 @@ def attention(
     visible: torch.Tensor | None,
     exit_logits: torch.Tensor | None,
     scaling: float | None,
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     """One softmax over the ``bands`` (with the exit of per-head logits ``exit_logits``, if any), each key shown
     where ``visible`` (bool ``(B|1, 1|H, Tq, Tk)``; None: causal), ``(B, Tq, H, D)``. A row that sees no key
-    (a padding query) gets zeros."""
-    from torch.nn.attention.flex_attention import AuxRequest
-
-    flex = _flex(bands[0].query.device)
+    (a padding query) gets zeros. None where torch.compile has reached its recompile limit for a call it has no
+    kernel for: uncompiled, flex would hold every score, so the caller takes its chunked formulation."""
     query = bands[0].query
     batch, heads, q_len = query.shape[:3]
     k_len = bands[0].key.shape[2]
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     if visible is not None:  # flex reads it at every query's batch row and head
         visible = visible.expand(batch, heads, q_len, k_len)
+    one_band = _kernel(query.device.type)
     outs, lses = [], []
-    for band in bands:
-        block_mask = band_block_mask(q_len, k_len, band.lo, band.hi, visible, query.device)
-        out, aux = flex(
-            band.query,
-            band.key,
-            band.value,
-            block_mask=block_mask,
-            scale=scale,
-            enable_gqa=heads != band.key.shape[1],
-            return_aux=AuxRequest(lse=True),
-        )
-        lse = aux.lse
-        outs.append(out)
-        lses.append(lse.float().masked_fill(lse == -math.inf, NOTHING))  # finite, so no gradient is NaN
+    try:
+        for band in bands:
+            block_mask = band_block_mask(q_len, k_len, band.lo, band.hi, visible, query.device)
+            out, lse = one_band(
+                band.query, band.key, band.value, block_mask, scale, heads != band.key.shape[1]
+            )
+            outs.append(out)
+            lses.append(lse.float().masked_fill(lse == -math.inf, NOTHING))  # finite: no gradient is NaN
+    except _RECOMPILE_LIMIT:
+        warnings.warn(LIMIT_WARNING, RuntimeWarning, stacklevel=2)
+        return None
     if exit_logits is not None:
         lses.append(exit_logits.float().view(1, -1, 1).expand_as(lses[0]))
     total = torch.logsumexp(torch.stack(lses), dim=0)
@@ -137,12 +135,35 @@ def attention(
     return merged.to(query.dtype).transpose(1, 2)
 
 
-@functools.cache
-def _flex(device: torch.device) -> Callable:
-    """flex_attention, compiled where it runs on an accelerator (uncompiled, it is the CPU's slow reference)."""
-    from torch.nn.attention.flex_attention import flex_attention
+_RECOMPILE_LIMIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
+"""What a ``fullgraph`` compiled function raises where uncompiled it would run (PyTorch has no public name)."""
+LIMIT_WARNING = (
+    "hf_attnscale: ReRoPE's flex kernel reached torch.compile's recompile limit "
+    "(torch._dynamo.config.recompile_limit); calls with new shapes or options take the chunked public "
+    "formulation (the same result, slower). Raise the limit to keep them on flex."
+)
 
-    return flex_attention if device.type == "cpu" else torch.compile(flex_attention)
+
+@functools.cache
+def _kernel(device_type: str) -> Callable:
+    """``(q, k, v, block_mask, scale, gqa) -> (output, log-sum-exp)`` of one band through flex_attention: compiled
+    whole (fullgraph) on an accelerator, in a function of its own, so its recompile budget is its own and hitting
+    it raises rather than running flex uncompiled; uncompiled on the CPU (flex's slow reference, for tests)."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    def one_band(query, key, value, block_mask, scale, gqa):
+        out, aux = flex_attention(
+            query,
+            key,
+            value,
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=gqa,
+            return_aux=AuxRequest(lse=True),
+        )
+        return out, aux.lse
+
+    return one_band if device_type == "cpu" else torch.compile(one_band, fullgraph=True)
 
 
 def band_block_mask(
@@ -216,6 +237,8 @@ def _check(combination: Combination, scaling: float | None, device: torch.device
         bands, visible, exit_logits = _sample(combination, device)
         leaves = [t for band in bands for t in band[:3]] + ([exit_logits] if exit_logits is not None else [])
         got = attention(bands, visible, exit_logits, scaling)
+        if got is None:
+            return "torch.compile's recompile limit was reached"
         cotangent = torch.randn(got.shape, generator=torch.Generator().manual_seed(1)).to(got)
         got_grads = torch.autograd.grad(got, leaves, cotangent)
         q_len, k_len = got.shape[1], bands[0].key.shape[2]

@@ -70,8 +70,8 @@ def rerope_attention(
 ) -> torch.Tensor:
     """ReRoPE over raw ``query`` ``(B, H, Tq, D)`` and ``key`` / ``value`` ``(B, Hkv, Tk, D)``, causal, the queries
     being the last ``Tq`` keys; ``mask`` None (causal, ``sliding_window`` keys at most) or 4D, bool or
-    additive. Several queries go to ``bands`` where it is given (the accelerator's whole-sequence path), else to
-    ``attend`` in chunks. Returns ``(B, Tq, H, Dv)``."""
+    additive. Several queries go to ``bands`` where it is given (the accelerator's whole-sequence path; it
+    returns None where it cannot take them), else to ``attend`` in chunks. Returns ``(B, Tq, H, Dv)``."""
     q_len, k_len, dtype = query.shape[2], key.shape[2], query.dtype
     past, window = k_len - q_len, call.window
     device = query.device
@@ -103,7 +103,9 @@ def rerope_attention(
         visible = None
         if mask is not None:
             visible = visible_entries(mask[..., :k_len]).expand(*mask.shape[:2], q_len, k_len)
-        return bands(parts, visible)
+        out = bands(parts, visible)
+        if out is not None:
+            return out  # else flex cannot take it: the chunks below (their near keys counted from 0)
     # Queries per chunk: at most a window's (a chunk's keys past the causal edge are its own, so the work stays
     # within a window's worth of dense causal attention) and a mask of at most MASK_CHUNK entries.
     rows = max(1, min(window, MASK_CHUNK // (k_len + window)))
