@@ -326,17 +326,22 @@ def test_unpatch_restores_the_model():
         assert torch.equal(model(**inputs).logits, plain(**inputs).logits)
 
 
-def test_torch_compile_takes_rerope_whole():
-    """No graph break in a ReRoPE forward or decoding step (torch._dynamo.explain counts them)."""
+@pytest.mark.parametrize("flex", [False, True])
+def test_torch_compile_takes_rerope_whole(monkeypatch, flex):
+    """No graph break in a ReRoPE forward or decoding step (torch._dynamo.explain counts them); where CUDA's flex
+    bands would serve (``flex``, here on the CPU), a model compiled whole takes the chunks instead."""
     from transformers import DynamicCache
 
+    calls = watch_flex_bands(monkeypatch) if flex else []
     model = hfa.patch(sharp_model("llama"), **OPTIONS["rerope+logn"])
     ids = sharp_inputs(batch=1, padded=False)["input_ids"]
     torch._dynamo.reset()
     assert torch._dynamo.explain(lambda x: model(x).logits)(ids).graph_break_count == 0
+    assert not calls
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
         model(ids, past_key_values=cache)
         torch._dynamo.reset()
         step = torch._dynamo.explain(lambda x: model(x, past_key_values=cache).logits)(ids[:, :1])
     assert step.graph_break_count == 0, [b.reason for b in step.break_reasons]
+    assert len(calls) == (2 if flex else 0)  # the uncompiled prefill's two layers

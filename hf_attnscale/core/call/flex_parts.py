@@ -81,11 +81,13 @@ def serves(
     masked: bool,
     scaling: float | None,
 ) -> bool:
-    """Whether `attention` takes these tensors: CUDA, no autocast, one head dim (at least flex's least) in a
-    served dtype, the switch not off, and the combination's check passed (run here on its first use)."""
+    """Whether `attention` takes these tensors: CUDA, eager (a model compiled whole takes the chunked
+    formulation), no autocast, one head dim (at least flex's least) in a served dtype, the switch not off, and
+    the combination's check passed (run here on its first use)."""
     device = query.device.type
     if (
         device not in LEAST_HEAD_DIM
+        or torch.compiler.is_compiling()
         or os.environ.get(ENV_SWITCH, "1") == "0"
         or torch.is_autocast_enabled(device)
         or query.dtype not in SERVED_DTYPES
