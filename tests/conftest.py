@@ -223,7 +223,7 @@ def watch_fused_parts(monkeypatch, on: bool) -> list:
 def watch_flex_bands(monkeypatch) -> list:
     """The flex key bands (`hf_attnscale.core.call.flex_parts`, CUDA's ReRoPE path) switched on for the CPU, where
     flex runs uncompiled and forward only: its first-use check, which runs backward too, is the GPU suite's.
-    Returns a list that each call of the path appends to."""
+    Returns a list that each call of the path that served appends to."""
     from hf_attnscale.core.call import flex_parts
 
     monkeypatch.setattr(flex_parts, "LEAST_HEAD_DIM", {"cpu": 1})
@@ -231,7 +231,14 @@ def watch_flex_bands(monkeypatch) -> list:
     monkeypatch.setattr(flex_parts, "_check", lambda *args: None)
     calls = []
     attention = flex_parts.attention
-    monkeypatch.setattr(flex_parts, "attention", lambda *args: calls.append(1) or attention(*args))
+
+    def counted(*args):
+        out = attention(*args)
+        if out is not None:
+            calls.append(1)
+        return out
+
+    monkeypatch.setattr(flex_parts, "attention", counted)
     return calls
 
 

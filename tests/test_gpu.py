@@ -347,12 +347,28 @@ def rerope_pair(device: torch.device, attn: str, options: dict):
 
 @pytest.fixture
 def flex_bands(monkeypatch) -> list:
-    """Each call of CUDA's flex key bands (`hf_attnscale.core.call.flex_parts`), their verdicts cleared first."""
+    """Each call of CUDA's flex key bands (`hf_attnscale.core.call.flex_parts`) that served the model: outside
+    their first-use check (its verdicts cleared first), and not handed back to the chunks."""
     monkeypatch.setattr(flex_parts.CHECK, "verdicts", {})
-    calls = []
-    attention = flex_parts.attention
-    monkeypatch.setattr(flex_parts, "attention", lambda *args: calls.append(1) or attention(*args))
-    return calls
+    served, checking = [], []
+    attention, check = flex_parts.attention, flex_parts._check
+
+    def counted(*args):
+        out = attention(*args)
+        if out is not None and not checking:
+            served.append(1)
+        return out
+
+    def flagged(*args):
+        checking.append(1)
+        try:
+            return check(*args)
+        finally:
+            checking.pop()
+
+    monkeypatch.setattr(flex_parts, "attention", counted)
+    monkeypatch.setattr(flex_parts, "_check", flagged)
+    return served
 
 
 @pytest.mark.parametrize("option", list(RE_ROPE))
@@ -391,13 +407,14 @@ def test_rerope_matches_reference_on_the_device(device, attn, option, flex_bands
 @pytest.mark.parametrize("exit_logits", [False, True])
 @pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
 def test_flex_bands_pass_their_check_on_the_device(device, dtype, exit_logits, masked):
-    """The check that guards CUDA's flex key bands, forward and backward against the plain formula in float64,
-    at SmolLM2's heads (9 query, 3 key-value, 64 wide), compiled."""
+    """The check that guards CUDA's flex key bands, compiled, against the plain formula in float64 (forward and
+    backward; forward alone without gradients, on 400 queries and on 64), at SmolLM2's heads (9 query, 3
+    key-value, 64 wide)."""
     if device.type != "cuda":
         pytest.skip("flex key bands serve on CUDA")
     torch.compiler.reset()  # this process's earlier tests have compiled flex in many combinations
-    combination = flex_parts.Combination(dtype, 64, 9, 3, exit_logits, masked)
-    assert flex_parts._check(combination, None, device) is None
+    combination = flex_parts.Combination(dtype, 64, 9, 3, exit_logits, masked, None)
+    assert flex_parts._check(combination, device) is None
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -427,6 +444,7 @@ def test_rerope_bf16_at_32k_tokens_holds_no_square(device, flex_bands):
         logits = model(input_ids=ids, logits_to_keep=1).logits
     assert torch.isfinite(logits).all()
     assert bool(flex_bands) == (device.type == "cuda")
+    assert all(flex_parts.CHECK.verdicts.values()), flex_parts.CHECK.verdicts
     if device.type == "cuda":
         square = 32768**2 * 2  # one bf16 score matrix of one head
         assert torch.cuda.max_memory_allocated(device) < square / 2

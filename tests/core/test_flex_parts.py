@@ -1,7 +1,8 @@
 """Keys in bands of distance through flex_attention (`hf_attnscale.core.call.flex_parts`, CUDA's ReRoPE path)
 against the plain formula: one softmax over every band's visible keys (and the exit). Here flex runs uncompiled
-on the CPU, forward only; tests/test_gpu.py runs it compiled, with its first-use check (backward included).
-The shapes span several of flex's blocks of 128, so whole blocks are skipped or taken without a mask."""
+on the CPU, forward only, and reads every entry through the mask function, so the block lists that the compiled
+kernel follows (which blocks it skips, which it takes whole, with no mask) are tested against the definition
+block by block. tests/test_gpu.py runs the bands compiled, with their first-use check (backward included)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import math
 import pytest
 import torch
 
-from hf_attnscale.core.call import flex_parts
+from hf_attnscale.core.call import flex_parts, key_parts
 from hf_attnscale.core.call.flex_parts import Band
 from hf_attnscale.core.call.key_parts import KeyPart, plain_parts
 
@@ -70,7 +71,8 @@ def test_matches_the_definition(case, padded, exit):
     want = definition(bands, visible, exit_logits)
     if padded and not exit and q_len == k_len:  # row 1's first 150 queries see nothing: zeros here, NaN there
         assert got[1, :150].abs().max() == 0 and want[1, :150].isnan().all()
-        got, want = got[:, 150:], want[:, 150:]
+        torch.testing.assert_close(got[1, 150:].double(), want[1, 150:], atol=1e-5, rtol=1e-5)
+        got, want = got[:1], want[:1]
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
@@ -88,13 +90,67 @@ def test_whole_blocks_are_skipped_or_taken_without_a_mask():
     assert near.kv_num_blocks[0, 0].tolist() == [1, 2, 2, 2] and near.full_kv_num_blocks.sum() == 0
 
 
+BLOCK_CASES = {  # (queries, keys, lo, hi, padded): ragged last blocks throughout
+    "far band, prefill": (300, 300, 70, 300, False),
+    "near band, prefill": (300, 300, 0, 70, False),
+    "far band after a cache": (200, 430, 70, 430, False),
+    "near band after a cache": (200, 430, 0, 70, False),
+    "far band, sliding window": (300, 300, 70, 200, False),
+    "one query after a cache": (1, 333, 70, 333, False),
+    "far band, padded": (300, 300, 70, 300, True),
+    "near band after a cache, padded": (200, 430, 0, 70, True),
+}
+
+
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+def test_the_block_lists_against_the_definition(case):
+    """Compiled flex reads a block only if the block mask lists it, and reads a whole block with no mask: so
+    every block that holds a visible entry is listed, and a whole block holds only visible entries. Without a
+    padding mask the lists are exact: no empty block is listed, and every complete block that holds only
+    visible entries is whole. (With one, blocks are listed by the band alone and read through the mask.)"""
+    q_len, k_len, lo, hi, padded = BLOCK_CASES[case]
+    visible = left_padded(q_len, k_len).expand(2, 4, q_len, k_len) if padded else None
+    mask = flex_parts.band_block_mask(q_len, k_len, lo, hi, visible, torch.device("cpu"))
+    distance = torch.arange(k_len - q_len, k_len)[:, None] - torch.arange(k_len)
+    shown = ((distance >= lo) & (distance < hi)).expand(2, 4, q_len, k_len)
+    if padded:
+        shown = shown & visible
+    block = flex_parts.BLOCK
+    rows, cols = -(-q_len // block), -(-k_len // block)
+    padded_shown = torch.nn.functional.pad(shown, (0, cols * block - k_len, 0, rows * block - q_len))
+    per_block = padded_shown.reshape(2, 4, rows, block, cols, block).transpose(3, 4).flatten(-2)
+    complete = torch.zeros(rows, cols, dtype=torch.bool)
+    complete[: q_len // block, : k_len // block] = True
+    for b, h in ((0, 0), (1, 3)):
+        listed = lists(mask.kv_num_blocks, mask.kv_indices, b, h, rows, cols)
+        whole = lists(mask.full_kv_num_blocks, mask.full_kv_indices, b, h, rows, cols)
+        some, every = per_block[b, h].any(-1), per_block[b, h].all(-1) & complete
+        assert not (some & ~(listed | whole)).any(), case  # every visible entry's block is read
+        assert not (listed & whole).any()
+        assert not (whole & ~every).any()  # a whole block has no entry to mask
+        if not padded:  # the band alone: no empty block is read, and every full block is whole
+            assert torch.equal(listed | whole, some) and torch.equal(whole, every)
+
+
+def lists(counts, indices, b, h, rows, cols) -> torch.Tensor:
+    """A block mask's lists as a bool ``(query blocks, key blocks)``."""
+    dense = torch.zeros(rows, cols, dtype=torch.bool)
+    batch, heads = counts.shape[:2]
+    for row in range(rows):
+        count = counts[b % batch, h % heads, row]
+        dense[row, indices[b % batch, h % heads, row, :count].long()] = True
+    return dense
+
+
 def test_a_row_that_sees_nothing_has_finite_gradients():
-    """Padding queries that see no key of any band and no exit: zeros, with no NaN in the merge (flex reports
-    their log-sum-exp as -inf). The merge alone, as on CPU flex has no backward."""
-    out = torch.zeros(1, 1, 2, 4, requires_grad=True)
-    lse = torch.tensor([[[-math.inf, 0.5]]], requires_grad=True)
-    finite = lse.masked_fill(lse == -math.inf, flex_parts.NOTHING)
-    total = torch.logsumexp(torch.stack([finite, finite]), 0)
-    merged = sum(out * (finite - total).exp().unsqueeze(-1) for _ in range(2))
+    """Padding queries that see no key of either band and no exit: zeros, and no NaN in any gradient, through the
+    merge the bands share with the CPU's key parts (flex reports such a row's log-sum-exp as -inf). The merge
+    alone: on the CPU flex has no backward."""
+    outs = [  # as flex gives them: zeros where a row sees nothing (row 0)
+        torch.tensor([[[[0.0] * 4, [value] * 4]]], requires_grad=True) for value in (1.0, 2.0)
+    ]
+    lses = [torch.tensor([[[-math.inf, 0.5]]], requires_grad=True) for _ in range(2)]
+    merged, _ = key_parts.merge(outs, [flex_parts.finite(lse) for lse in lses], None)
     merged.sum().backward()
-    assert torch.isfinite(lse.grad).all() and torch.isfinite(out.grad).all()
+    assert torch.isfinite(merged).all() and merged[0, 0, 0].abs().max() < 1e-6
+    assert all(torch.isfinite(t.grad).all() for t in [*outs, *lses])

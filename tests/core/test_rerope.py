@@ -212,21 +212,32 @@ def test_a_left_padded_batch_equals_each_prompt_alone(attn):
     torch.testing.assert_close(batch[1, 3:], alone[0], atol=1e-5, rtol=1e-5)
 
 
-def test_flex_past_its_recompile_limit_takes_the_chunks(monkeypatch):
+@pytest.mark.parametrize("onto_a_cache", [False, True])
+def test_flex_past_its_recompile_limit_takes_the_chunks(monkeypatch, onto_a_cache):
     """Where torch.compile will compile flex no more (its limit hit, fullgraph), the call takes the chunked
-    formulation, with the same result and one warning, rather than flex uncompiled (every score held)."""
+    formulation, with the same result and one warning, rather than flex uncompiled (every score held): for a
+    prefill, and for chunks onto a cache, whose near keys the bands counted from the first."""
+    from transformers import DynamicCache
+
     from hf_attnscale.core.call import flex_parts
 
-    calls = watch_flex_bands(monkeypatch)
+    served, refused = watch_flex_bands(monkeypatch), []
 
     def at_the_limit(*args):
+        refused.append(1)
         raise flex_parts._RECOMPILE_LIMIT("Hard failure due to fullgraph=True")
 
     monkeypatch.setattr(flex_parts, "_kernel", lambda device_type: at_the_limit)
     patched, reference = patched_beside_reference(sharp_model("qwen2", "sdpa"), OPTIONS["leaky+zero_kv"])
     with pytest.warns(RuntimeWarning, match="recompile limit"):
-        _assert_matches(patched, reference, sharp_inputs())
-    assert calls
+        if onto_a_cache:
+            ids = sharp_inputs(padded=False)["input_ids"]
+            with torch.no_grad():
+                chunked = stream_logits(patched, ids, DynamicCache(config=patched.config), [5, 7, 4])
+                torch.testing.assert_close(chunked, reference(ids).logits, atol=1e-5, rtol=1e-5)
+        else:
+            _assert_matches(patched, reference, sharp_inputs())
+    assert refused and not served
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "sdpa+fused"], indirect=True)

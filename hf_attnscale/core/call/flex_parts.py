@@ -9,18 +9,18 @@ attention, the near one a window's width. Each call returns its output ``o_b`` a
 ``L = logsumexp(l_1, l_2, …, s)`` (s the exit's logit) the result is ``y = Σ_b exp(l_b − L) · o_b``, and
 autograd runs through the kernel's own backward, which takes the log-sum-exp's gradient too.
 
-On the accelerators this replaces the public formulation on doubled channels and a dense mask
+On CUDA this replaces the public formulation on doubled channels and a dense mask
 (`hf_attnscale.core.call.key_parts.joined`), which no flash kernel takes. Each combination of dtypes, heads and
-options passes a first-use check against the plain formula in float64, forward and backward
-(`hf_attnscale.core.call.cpu_flash.FirstUseCheck`), before it serves; ``HF_ATTNSCALE_FLEX_PARTS=0`` turns
-the path off.
+options passes a first-use check against the plain formula in float64 before it serves
+(`hf_attnscale.core.call.first_use`); ``HF_ATTNSCALE_FLEX_PARTS=0`` turns the path off. flex is compiled with
+dynamic shapes, whole (``fullgraph``), in a function of its own: past torch.compile's recompile limit a call
+raises rather than running flex uncompiled, which would hold every score, and takes the chunked formulation.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -28,16 +28,16 @@ from typing import NamedTuple
 import torch
 import torch._dynamo
 
-from hf_attnscale.core.call import cpu_flash
-from hf_attnscale.core.call.key_parts import KeyPart, plain_parts
+from hf_attnscale.core.call import first_use
+from hf_attnscale.core.call.key_parts import KeyPart, merge, plain_parts, softmax_scale
 
 ENV_SWITCH = "HF_ATTNSCALE_FLEX_PARTS"
 BLOCK = 128
 """The block mask's block, flex's default: a band skips every block of queries × keys wholly outside it."""
 SERVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LEAST_HEAD_DIM = {"cuda": 16}
-"""Where the path serves (where flex_attention compiles and has a backward), with the least head dim its kernel
-takes there."""
+"""The devices the path serves (where flex_attention compiles and has a backward), each with the least head dim
+its kernel takes there."""
 NOTHING = -1e30
 """The log-sum-exp of a row that sees no key of a band: its weight is 0 beside any key's, and flex's zero output
 stays zero where a row sees no key at all."""
@@ -68,9 +68,10 @@ class Combination(NamedTuple):
     kv_heads: int
     exit: bool
     masked: bool
+    scaling: float | None
 
 
-CHECK = cpu_flash.FirstUseCheck("flex key bands", ENV_SWITCH)
+CHECK = first_use.FirstUseCheck("flex key bands", ENV_SWITCH)
 
 
 def serves(
@@ -84,21 +85,23 @@ def serves(
     """Whether `attention` takes these tensors: CUDA, eager (a model compiled whole takes the chunked
     formulation), no autocast, one head dim (at least flex's least) in a served dtype, the switch not off, and
     the combination's check passed (run here on its first use)."""
-    device = query.device.type
     if (
-        device not in LEAST_HEAD_DIM
-        or torch.compiler.is_compiling()
-        or os.environ.get(ENV_SWITCH, "1") == "0"
-        or torch.is_autocast_enabled(device)
+        not first_use.may_serve(query, ENV_SWITCH, tuple(LEAST_HEAD_DIM))
         or query.dtype not in SERVED_DTYPES
         or not (key.dtype == value.dtype == query.dtype)
-        or not (query.shape[-1] == key.shape[-1] == value.shape[-1] >= LEAST_HEAD_DIM[device])
+        or not (query.shape[-1] == key.shape[-1] == value.shape[-1] >= LEAST_HEAD_DIM[query.device.type])
     ):
         return False
     combination = Combination(
-        str(query.dtype), query.shape[-1], query.shape[1], key.shape[1], exit_logits is not None, masked
+        str(query.dtype),
+        query.shape[-1],
+        query.shape[1],
+        key.shape[1],
+        exit_logits is not None,
+        masked,
+        scaling,
     )
-    return CHECK.passes(combination, lambda: _check(combination, scaling, query.device))
+    return CHECK.passes(combination, lambda: _check(combination, query.device))
 
 
 def attention(
@@ -114,7 +117,7 @@ def attention(
     query = bands[0].query
     batch, heads, q_len = query.shape[:3]
     k_len = bands[0].key.shape[2]
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scale = softmax_scale(query, scaling)
     if visible is not None:  # flex reads it at every query's batch row and head
         visible = visible.expand(batch, heads, q_len, k_len)
     one_band = _kernel(query.device.type)
@@ -126,15 +129,17 @@ def attention(
                 band.query, band.key, band.value, block_mask, scale, heads != band.key.shape[1]
             )
             outs.append(out)
-            lses.append(lse.float().masked_fill(lse == -math.inf, NOTHING))  # finite: no gradient is NaN
+            lses.append(finite(lse))
     except _RECOMPILE_LIMIT:
         warnings.warn(LIMIT_WARNING, RuntimeWarning, stacklevel=2)
         return None
-    if exit_logits is not None:
-        lses.append(exit_logits.float().view(1, -1, 1).expand_as(lses[0]))
-    total = torch.logsumexp(torch.stack(lses), dim=0)
-    merged = sum(out.float() * (lse - total).exp().unsqueeze(-1) for out, lse in zip(outs, lses))
-    return merged.to(query.dtype).transpose(1, 2)
+    return merge(outs, lses, exit_logits)[0].transpose(1, 2)
+
+
+def finite(lse: torch.Tensor) -> torch.Tensor:
+    """flex's log-sum-exp with a row that sees no key of its band (-inf) at `NOTHING`: finite, so no gradient
+    through the merge is NaN."""
+    return lse.float().masked_fill(lse == -math.inf, NOTHING)
 
 
 _RECOMPILE_LIMIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
@@ -149,8 +154,8 @@ LIMIT_WARNING = (
 @functools.cache
 def _kernel(device_type: str) -> Callable:
     """``(q, k, v, block_mask, scale, gqa) -> (output, log-sum-exp)`` of one band through flex_attention: compiled
-    whole (fullgraph) on an accelerator, in a function of its own, so its recompile budget is its own and hitting
-    it raises rather than running flex uncompiled; uncompiled on the CPU (flex's slow reference, for tests)."""
+    whole, with dynamic shapes, in a function of its own, so its recompile budget is its own and hitting it
+    raises; uncompiled on the CPU, where the path serves only in tests (flex's own reference implementation)."""
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     def one_band(query, key, value, block_mask, scale, gqa):
@@ -165,7 +170,7 @@ def _kernel(device_type: str) -> Callable:
         )
         return out, aux.lse
 
-    return one_band if device_type == "cpu" else torch.compile(one_band, fullgraph=True)
+    return one_band if device_type == "cpu" else torch.compile(one_band, fullgraph=True, dynamic=True)
 
 
 def band_block_mask(
@@ -175,7 +180,7 @@ def band_block_mask(
     also where ``visible`` shows the key. Built from the blocks' distance ranges, so no ``Tq × Tk`` tensor is
     made: a block wholly inside the band is full (no mask inside it) unless ``visible`` is given, a block wholly
     outside it is skipped."""
-    if visible is None and not torch.compiler.is_compiling():
+    if visible is None:
         return _cached_band(q_len, k_len, lo, hi, device)
     return _band(q_len, k_len, lo, hi, visible, device)
 
@@ -231,36 +236,58 @@ def _band(q_len, k_len, lo, hi, visible, device):
     )
 
 
-def _check(combination: Combination, scaling: float | None, device: torch.device) -> str | None:
-    """`attention` against `key_parts.plain_parts` in float64, forward and backward, on a sharp input larger than a
-    block (330 keys, 200 queries, a window of 70), near and far bands, with the exit and a padding mask where
-    the combination has them (a row that sees only the exit, then); None if they agree, else why not."""
+def _check(combination: Combination, device: torch.device) -> str | None:
+    """`attention` against `key_parts.plain_parts` in float64 on a sharp input: near and far bands of 400 queries
+    after 200 cached keys (several blocks, some of them whole) with a window of 70, forward and backward; then
+    forward alone without gradients (the kernel that inference compiles), on them and on the last 64 queries (a
+    short chunk, which flex may run with another kernel). With the exit and a padding mask where the combination
+    has them. None if all agree, else why not."""
+    float32_tolerance = 1e-5 if torch.get_float32_matmul_precision() == "highest" else 3e-3  # else TF32
+    tolerance = float32_tolerance if combination.dtype == "torch.float32" else 3e-2
     try:
         bands, visible, exit_logits = _sample(combination, device)
         leaves = [t for band in bands for t in band[:3]] + ([exit_logits] if exit_logits is not None else [])
-        got = attention(bands, visible, exit_logits, scaling)
+        got = attention(bands, visible, exit_logits, combination.scaling)
         if got is None:
             return "torch.compile's recompile limit was reached"
         cotangent = torch.randn(got.shape, generator=torch.Generator().manual_seed(1)).to(got)
         got_grads = torch.autograd.grad(got, leaves, cotangent)
-        q_len, k_len = got.shape[1], bands[0].key.shape[2]
-        distance = torch.arange(k_len - q_len, k_len, device=device)[:, None] - torch.arange(
-            k_len, device=device
-        )
-        parts = [
-            KeyPart(
-                *(t.double() for t in band[:3]),
-                (distance >= band.lo) & (distance < band.hi) & (True if visible is None else visible),
-            )
-            for band in bands
-        ]
-        want = plain_parts(parts, None if exit_logits is None else exit_logits.double(), scaling)
+        want = _definition(bands, visible, exit_logits, combination.scaling)
         want_grads = torch.autograd.grad(want, leaves, cotangent.double())
+        names = ("output", *(f"{g}{i}" for i in range(len(bands)) for g in ("dq", "dk", "dv")), "dexit")
+        failed = first_use.compare(
+            (got, *got_grads), (want, *want_grads), names[: 1 + len(leaves)], tolerance
+        )
+        with torch.no_grad():
+            for last in (got.shape[1], 64):
+                chunk = [band._replace(query=band.query[:, :, -last:]) for band in bands]
+                rows = None if visible is None else visible[..., -last:, :]
+                inferred = attention(chunk, rows, exit_logits, combination.scaling)
+                if inferred is None:
+                    return "torch.compile's recompile limit was reached"
+                want = _definition(chunk, rows, exit_logits, combination.scaling)
+                failed = failed or first_use.compare(
+                    (inferred,), (want,), (f"output without gradients, {last} queries",), tolerance
+                )
     except Exception as error:  # any failure of the compiler or kernel means: do not use it
         return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-    tolerance = 1e-5 if got.dtype == torch.float32 else 3e-2
-    names = ("output", *(f"{g}{i}" for i in range(len(bands)) for g in ("dq", "dk", "dv")), "dexit")
-    return cpu_flash.compare((got, *got_grads), (want, *want_grads), names[: 1 + len(leaves)], tolerance)
+    return failed
+
+
+def _definition(bands, visible, exit_logits, scaling) -> torch.Tensor:
+    """The bands' plain formula in float64: every band's scores where ``lo ≤ i − j < hi`` and the mask shows the
+    key, and the exit's column, under one softmax."""
+    q_len, k_len = bands[0].query.shape[2], bands[0].key.shape[2]
+    device = bands[0].query.device
+    distance = torch.arange(k_len - q_len, k_len, device=device)[:, None] - torch.arange(k_len, device=device)
+    parts = [
+        KeyPart(
+            *(t.double() for t in band[:3]),
+            (distance >= band.lo) & (distance < band.hi) & (True if visible is None else visible),
+        )
+        for band in bands
+    ]
+    return plain_parts(parts, None if exit_logits is None else exit_logits.double(), scaling)
 
 
 def _sample(combination: Combination, device: torch.device):
@@ -268,7 +295,7 @@ def _sample(combination: Combination, device: torch.device):
     dtype = getattr(torch, combination.dtype.removeprefix("torch."))
     generator = torch.Generator().manual_seed(0)
     heads, kv_heads, dim = combination.heads, combination.kv_heads, combination.head_dim
-    q_len, k_len, window, spread = 200, 330, 70, 3 / math.sqrt(math.sqrt(dim))
+    q_len, k_len, window, spread = 400, 600, 70, 3 / math.sqrt(math.sqrt(dim))
 
     def sample(*shape, scale=1.0):
         return (torch.randn(*shape, generator=generator) * scale).to(device, dtype).requires_grad_()
@@ -282,7 +309,7 @@ def _sample(combination: Combination, device: torch.device):
             lo,
             hi,
         )
-        for lo, hi in ((0, window), (window, k_len + 1))
+        for lo, hi in ((0, window), (window, k_len))
     ]
     visible = None
     if combination.masked:  # left padding of 40 keys; with the exit, the first query sees that alone

@@ -12,7 +12,7 @@ Backward is the kernel's own, fed ``y`` for its output and ``w·dy`` for its gra
 ``D = rowsum(dO·O)`` becomes ``w²·rowsum(dy·o)``, which is exactly ``D`` less the gradient that reaches the
 scores through ``lse``; the exit logit's gradient is ``−Σ rowsum(dy·y)·(1 − w)``.
 
-The kernel is private, so nothing is trusted unchecked (`hf_attnscale.core.call.cpu_flash`): each combination
+The kernel is private, so nothing is trusted unchecked (`hf_attnscale.core.call.first_use`): each combination
 it would serve (dtype, head dim, heads and key-value heads, mask kind, causal, one query or many, batch) is run
 once, at its first use, forward and backward on a small input against the public formulation. A mismatch or an
 error gives one warning, and that combination takes the public formulation for the rest of the process.
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from hf_attnscale.core.call import cpu_flash
+from hf_attnscale.core.call import cpu_flash, first_use
 from hf_attnscale.core.call.exit import AttentionFn, sdpa_exit_attention
 from hf_attnscale.core.call.masks import additive_mask
 
@@ -87,7 +87,7 @@ class Combination(NamedTuple):
     batched: bool
 
 
-CHECK = cpu_flash.FirstUseCheck("fused CPU exit", ENV_SWITCH)
+CHECK = first_use.FirstUseCheck("fused CPU exit", ENV_SWITCH)
 
 
 def exit_attention(
@@ -138,7 +138,7 @@ def fused_exit_attention(
 def _combination(module, query, key, value, mask, causal, kwargs) -> Combination | None:
     """What the check must cover for this call, or None where the fused path does not serve it."""
     if (
-        not cpu_flash.serves_cpu(query, ENV_SWITCH)
+        not first_use.may_serve(query, ENV_SWITCH, ("cpu",))
         or kwargs.get("dropout", 0.0)
         or kwargs.get("softcap") is not None
         or query.shape[-1] != value.shape[-1]
@@ -204,4 +204,4 @@ def _check(combination: Combination, backend_fn, module, scaling) -> str | None:
         return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     names = ("output", "dq", "dk", "dv", "dexit")
-    return cpu_flash.compare((fused, *fused_grads), (public, *public_grads), names, tolerance)
+    return first_use.compare((fused, *fused_grads), (public, *public_grads), names, tolerance)

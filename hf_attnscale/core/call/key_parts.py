@@ -16,7 +16,7 @@ Two formulations:
   ``−Σ rowsum(dy · y) · exp(s − L)``.
 
 `attention` takes the fused path where it serves and its combination has passed its first-use check
-(`hf_attnscale.core.call.cpu_flash`) against the plain formula in float64, else the public one.
+(`hf_attnscale.core.call.first_use`) against the plain formula in float64, else the public one.
 ``HF_ATTNSCALE_FUSED_PARTS=0`` turns the fused path off. A row that sees no key of any part (a padding query)
 gets a finite output that no real token reads, under either formulation.
 """
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from hf_attnscale.core.call import cpu_flash
+from hf_attnscale.core.call import cpu_flash, first_use
 from hf_attnscale.core.call.masks import additive_mask
 
 ENV_SWITCH = "HF_ATTNSCALE_FUSED_PARTS"
@@ -125,13 +125,13 @@ class Combination(NamedTuple):
 
 
 SERVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-CHECK = cpu_flash.FirstUseCheck("fused CPU key parts", ENV_SWITCH)
+CHECK = first_use.FirstUseCheck("fused CPU key parts", ENV_SWITCH)
 
 
 def _combination(parts: Sequence[KeyPart], exit_logits: torch.Tensor | None) -> Combination | None:
     first = parts[0]
     if (
-        not cpu_flash.serves_cpu(first.query, ENV_SWITCH)
+        not first_use.may_serve(first.query, ENV_SWITCH, ("cpu",))
         or first.query.dtype not in SERVED_DTYPES  # float64: the merge and its check are float32's
     ) or any(
         part.query.shape[-1] != part.value.shape[-1]
@@ -159,6 +159,25 @@ def _combination(parts: Sequence[KeyPart], exit_logits: torch.Tensor | None) -> 
     )
 
 
+def merge(
+    outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor], exit_logits: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, L)``: the parts' outputs ``o_p`` ``(B, H, c, D)`` merged by their log-sum-exps ``l_p`` ``(B, H, c)``,
+    the exit's per-head logits s (if any) one more term: ``L = logsumexp(l_1, l_2, …, s)`` and
+    ``y = Σ_p exp(l_p − L) · o_p``, computed in float32, ``y`` returned in the outputs' dtype."""
+    lses = [lse.float() for lse in lses]
+    if exit_logits is not None:
+        lses.append(exit_logits.float().view(1, -1, 1).expand_as(lses[0]))
+    total = torch.logsumexp(torch.stack(lses), dim=0)
+    merged = sum(out.float() * (lse - total).exp().unsqueeze(-1) for out, lse in zip(outs, lses))
+    return merged.to(outs[0].dtype), total
+
+
+def softmax_scale(query: torch.Tensor, scaling: float | None) -> float:
+    """The scores' scale: the model's ``scaling``, else the backends' default, one over the root of the head dim."""
+    return query.shape[-1] ** -0.5 if scaling is None else scaling
+
+
 class _MergedParts(torch.autograd.Function):
     """``y = Σ_p exp(l_p − L) · o_p`` from the kernel, forward and backward. Inputs: the scale, the parts'
     additive masks, the exit's logits (or None), then each part's q, k, v, all ``(B, H, ·, D)``."""
@@ -170,12 +189,8 @@ class _MergedParts(torch.autograd.Function):
             query, key, value = tensors[3 * index : 3 * index + 3]
             out, lse = cpu_flash.flash_forward(query, key, value, False, mask, scale)
             outs.append(out)
-            lses.append(lse.float())
-        if exit_logits is not None:
-            lses.append(exit_logits.float().view(1, -1, 1).expand_as(lses[0]))
-        total = torch.logsumexp(torch.stack(lses), dim=0)
-        result = sum((out.float() * (lse - total).exp().unsqueeze(-1) for out, lse in zip(outs, lses)))
-        result = result.to(outs[0].dtype)
+            lses.append(lse)
+        result, total = merge(outs, lses, exit_logits)
         ctx.save_for_backward(*tensors, *masks, result, total, exit_logits)
         ctx.scale, ctx.count = scale, len(masks)
         return result
@@ -203,7 +218,7 @@ def fused_parts(
 ) -> torch.Tensor:
     """The fused formulation, unchecked, ``(B, c, H, D)``."""
     dtype, heads = parts[0].query.dtype, parts[0].query.shape[1]
-    scale = parts[0].query.shape[-1] ** -0.5 if scaling is None else scaling
+    scale = softmax_scale(parts[0].query, scaling)
     masks = tuple(None if part.visible is None else additive_mask(part.visible, dtype) for part in parts)
     tensors = []
     for part in parts:
@@ -218,7 +233,7 @@ def plain_parts(
 ) -> torch.Tensor:
     """The definition, in the inputs' dtype: every part's scores, the exit's column, one softmax, ``(B, c, H, Dv)``."""
     heads = parts[0].query.shape[1]
-    scale = parts[0].query.shape[-1] ** -0.5 if scaling is None else scaling
+    scale = softmax_scale(parts[0].query, scaling)
     scores, values = [], []
     for part in parts:
         key = repeat_kv(part.key, heads // part.key.shape[1])
@@ -248,7 +263,7 @@ def _check(combination: Combination, scaling: float | None) -> str | None:
         return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     tolerance = 1e-5 if fused.dtype == torch.float32 else 3e-2
     names = ("output", *(f"{g}{i}" for i in range(len(parts)) for g in ("dq", "dk", "dv")), "dexit")
-    return cpu_flash.compare(
+    return first_use.compare(
         (fused, *fused_grads), (plain, *plain_grads), names[: 1 + len(leaves)], tolerance
     )
 

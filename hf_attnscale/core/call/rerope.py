@@ -78,7 +78,8 @@ def rerope_attention(
     positions = torch.arange(k_len, device=device)[None]
     if q_len == 1:
         return _decode(attend, call, query, key, value, mask, sliding_window, positions)
-    lowest = 0 if bands is not None else max(0, past - window + 1)  # no key before it is near to any query
+    # the first key rotated as near: for the chunks, the first near to any query; the bands take them all
+    lowest = 0 if bands is not None else max(0, past - window + 1)
     if past == 0 and call.own[0].shape[-2] == k_len:
         near_cos_sin = call.own  # the model's own, for its prefill
     else:

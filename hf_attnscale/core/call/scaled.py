@@ -125,7 +125,7 @@ def scaled_attention(
         def attend_bands(bands, visible):
             return flex_parts.attention(bands, visible, exit_logits, scaling)
 
-        whole = (
+        use_bands = (
             fusable
             and query.shape[2] > 1
             and flex_parts.serves(query, key, value, exit_logits, attention_mask is not None, scaling)
@@ -138,7 +138,7 @@ def scaled_attention(
             value,
             attention_mask,
             sliding_window=sliding_window,
-            bands=attend_bands if whole else None,
+            bands=attend_bands if use_bands else None,
         )
         weights = None
     if hooks is not None and hooks.output is not None:

@@ -1,0 +1,71 @@
+"""The first-use check that guards each fast path: the CPU's fused exit and key parts (their private kernel,
+`hf_attnscale.core.call.cpu_flash`) and CUDA's flex key bands (`hf_attnscale.core.call.flex_parts`).
+
+Each combination of shapes and options a path would serve runs once, at its first use, forward and backward on a
+sharp input against a reference (the exit: its public formulation; key parts and bands: the plain formula in
+float64). A mismatch or an error gives one warning, and that combination takes the public formulation for the
+rest of the process.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from collections.abc import Callable, Hashable
+
+import torch
+
+
+def may_serve(query: torch.Tensor, env_switch: str, device_types: tuple[str, ...]) -> bool:
+    """What every fast path asks first: a tensor on one of ``device_types``, eager (a model compiled whole takes
+    the public formulation), no autocast, and the path's switch not off."""
+    device = query.device.type
+    return (
+        device in device_types
+        and not torch.compiler.is_compiling()
+        and os.environ.get(env_switch, "1") != "0"
+        and not torch.is_autocast_enabled(device)
+    )
+
+
+class FirstUseCheck:
+    """One verdict per combination a fast path serves, found by running its check once, at first use."""
+
+    def __init__(self, path: str, env_switch: str) -> None:
+        self.path, self.env_switch = path, env_switch
+        self.verdicts: dict[Hashable, bool] = {}
+        self._lock = threading.Lock()
+
+    def passes(self, combination: Hashable, check: Callable[[], str | None]) -> bool:
+        """Whether ``combination`` has passed; ``check`` (None if the fast path agrees with its reference, else
+        the reason) runs at its first use, with gradients on whatever mode the caller is in."""
+        verdict = self.verdicts.get(combination)
+        if verdict is None:
+            with self._lock:
+                verdict = self.verdicts.get(combination)
+                if verdict is None:
+                    with torch.inference_mode(False), torch.enable_grad():
+                        reason = check()
+                    verdict = self.verdicts[combination] = reason is None
+                    if reason is not None:
+                        warnings.warn(
+                            f"hf_attnscale: the {self.path} failed its check for {combination} ({reason}); that "
+                            f"combination uses the public sdpa formulation from now on ({self.env_switch}=0 skips "
+                            "the check).",
+                            RuntimeWarning,
+                            stacklevel=3,
+                        )
+        return verdict
+
+
+def compare(
+    got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...], names: tuple[str, ...], tolerance: float
+):
+    """None where each of ``got`` is within ``tolerance`` of its size from ``want``, else which one differs."""
+    for name, a, b in zip(names, got, want, strict=True):
+        scale = b.float().abs().max().item() + 1e-6
+        error = (a.float() - b.float()).abs().max().item() / scale
+        if not error <= tolerance:  # NaN fails too
+            return f"{name} differs by {error:.2g} of its size"
+    return None
