@@ -154,3 +154,41 @@ def test_a_row_that_sees_nothing_has_finite_gradients():
     merged.sum().backward()
     assert torch.isfinite(merged).all() and merged[0, 0, 0].abs().max() < 1e-6
     assert all(torch.isfinite(t.grad).all() for t in [*outs, *lses])
+
+
+def test_compiled_once_per_kind_of_call_and_past_the_limit_handed_back(monkeypatch):
+    """flex compiled as `_kernel` compiles it (an eager backend here: the CPU's compiler has no log-sum-exp):
+    one graph serves every prefill's length, one more every chunk onto a cache (the keys outnumber the queries),
+    and a padding mask one more; where a call would need a graph past torch.compile's recompile limit, it
+    raises, and `attention` hands the call back (None) with one warning, rather than running flex uncompiled."""
+    graphs = []
+
+    def backend(graph, inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    torch.compiler.reset()
+    compiled = torch.compile(flex_parts._kernel.__wrapped__("cpu"), backend=backend, **flex_parts.COMPILE)
+    monkeypatch.setattr(flex_parts, "_kernel", lambda device_type: compiled)
+    with torch.no_grad():
+        for q_len, k_len, count in [
+            (300, 300, 1),
+            (517, 517, 1),
+            (700, 700, 1),
+            (200, 430, 2),
+            (300, 600, 2),
+        ]:
+            bands = sample(q_len, k_len, [(70, k_len), (0, 70)], seed=q_len)
+            got = flex_parts.attention(bands, None, None, SCALING)
+            torch.testing.assert_close(got.double(), definition(bands, None, None), atol=1e-5, rtol=1e-5)
+            assert len(graphs) == count, (q_len, k_len)
+        bands, visible = sample(300, 300, [(70, 300), (0, 70)]), left_padded(300, 300)
+        monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+        with pytest.warns(RuntimeWarning, match="recompile limit"):
+            assert flex_parts.attention(bands, visible, None, SCALING) is None
+        monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+        got = flex_parts.attention(bands, visible, None, SCALING)
+    assert len(graphs) == 3
+    want = definition(bands, visible, None)
+    torch.testing.assert_close(got[0].double(), want[0], atol=1e-5, rtol=1e-5)
+    torch.compiler.reset()

@@ -170,7 +170,11 @@ def _kernel(device_type: str) -> Callable:
         )
         return out, aux.lse
 
-    return one_band if device_type == "cpu" else torch.compile(one_band, fullgraph=True, dynamic=True)
+    return one_band if device_type == "cpu" else torch.compile(one_band, **COMPILE)
+
+
+COMPILE = {"fullgraph": True, "dynamic": True}
+"""How `_kernel` compiles flex: whole, so the recompile limit raises, and for any length at once."""
 
 
 def band_block_mask(
