@@ -183,10 +183,11 @@ def test_compiled_once_per_kind_of_call_and_past_the_limit_handed_back(monkeypat
             torch.testing.assert_close(got.double(), definition(bands, None, None), atol=1e-5, rtol=1e-5)
             assert len(graphs) == count, (q_len, k_len)
         bands, visible = sample(300, 300, [(70, 300), (0, 70)]), left_padded(300, 300)
-        monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
-        with pytest.warns(RuntimeWarning, match="recompile limit"):
+        with (
+            torch._dynamo.config.patch(recompile_limit=2),
+            pytest.warns(RuntimeWarning, match="recompile limit"),
+        ):
             assert flex_parts.attention(bands, visible, None, SCALING) is None
-        monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
         got = flex_parts.attention(bands, visible, None, SCALING)
     assert len(graphs) == 3
     want = definition(bands, visible, None)
