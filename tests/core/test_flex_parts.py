@@ -97,6 +97,8 @@ BLOCK_CASES = {  # (queries, keys, lo, hi, padded): ragged last blocks throughou
     "near band after a cache": (200, 430, 0, 70, False),
     "far band, sliding window": (300, 300, 70, 200, False),
     "one query after a cache": (1, 333, 70, 333, False),
+    "a window at a block's farthest distance": (300, 300, 127, 300, False),  # the diagonal block's 127
+    "a sliding window at a block's farthest distance": (512, 512, 70, 383, False),  # block (2, 0): 129 to 383
     "far band, padded": (300, 300, 70, 300, True),
     "near band after a cache, padded": (200, 430, 0, 70, True),
 }
