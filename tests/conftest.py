@@ -226,7 +226,7 @@ def watch_flex_bands(monkeypatch) -> list:
     Returns a list that each call of the path that served appends to."""
     from hf_attnscale.core.call import flex_parts
 
-    monkeypatch.setattr(flex_parts, "LEAST_HEAD_DIM", {"cpu": 1})
+    monkeypatch.setattr(flex_parts, "SERVED_DEVICES", {"cpu": 1})
     monkeypatch.setattr(flex_parts.CHECK, "verdicts", {})
     monkeypatch.setattr(flex_parts, "_check", lambda *args: None)
     calls = []

@@ -35,7 +35,7 @@ ENV_SWITCH = "HF_ATTNSCALE_FLEX_PARTS"
 BLOCK = 128
 """The block mask's block, flex's default: a band skips every block of queries × keys wholly outside it."""
 SERVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-LEAST_HEAD_DIM = {"cuda": 16}
+SERVED_DEVICES = {"cuda": 16}
 """The devices the path serves (where flex_attention compiles and has a backward), each with the least head dim
 its kernel takes there."""
 NOTHING = -1e30
@@ -86,10 +86,10 @@ def serves(
     formulation), no autocast, one head dim (at least flex's least) in a served dtype, the switch not off, and
     the combination's check passed (run here on its first use)."""
     if (
-        not first_use.may_serve(query, ENV_SWITCH, tuple(LEAST_HEAD_DIM))
+        not first_use.may_serve(query, ENV_SWITCH, tuple(SERVED_DEVICES))
         or query.dtype not in SERVED_DTYPES
         or not (key.dtype == value.dtype == query.dtype)
-        or not (query.shape[-1] == key.shape[-1] == value.shape[-1] >= LEAST_HEAD_DIM[query.device.type])
+        or not (query.shape[-1] == key.shape[-1] == value.shape[-1] >= SERVED_DEVICES[query.device.type])
     ):
         return False
     combination = Combination(
