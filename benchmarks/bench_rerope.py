@@ -7,10 +7,11 @@ of ``--repeats`` runs:
 
 Per process: the model is loaded (``--dtype``, default float32; sdpa), ``--tokens`` tokens go through one
 forward with the model's own ``DynamicCache`` (``logits_to_keep=1``: the vocabulary's logits are not what is
-measured), then ``--steps`` greedy decode steps through that cache. ``--shape smollm2-135m`` (the default) is
+measured), then ``--steps`` greedy decode steps through that cache (with ``--compile``, steps of the model
+compiled with dynamic shapes, as users run them on a GPU). ``--shape smollm2-135m`` (the default) is
 the real checkpoint on held-out stdlib text; ``smollm2-135m-shape`` is its shape with random weights and
 random tokens, for a machine that cannot fetch it (time does not depend on the weights). Time is wall time; on
-CUDA, synchronised, and of a second pass after a first that warms the kernels up. Memory: on the CPU the
+CUDA or compiled, of a second pass after a first that warms the kernels up (and compiles), synchronised on CUDA. Memory: on the CPU the
 process's peak resident set during the forward (Linux's VmHWM, reset just before it), less its resident set
 before it; on CUDA ``torch.cuda.max_memory_allocated`` during the forward, less what was allocated before it.
 Threads: ``--threads`` (default 1). A smoke run: ``--tokens 256 --window 64 --steps 2 --repeats 1``.
@@ -44,12 +45,20 @@ CUDA's flex key bands (`hf_attnscale.core.call.flex_parts`); the public formulat
 public sdpa, is what other devices run."""
 
 
-OPTIONS = ("tokens", "window", "steps", "threads", "shape", "device", "dtype")
+OPTIONS = ("tokens", "window", "steps", "threads", "shape", "device", "dtype", "compile")
 """The options a child process takes, by name."""
 
 
 def child(
-    variant: str, tokens: int, window: int, steps: int, threads: int, shape: str, device: str, dtype: str
+    variant: str,
+    tokens: int,
+    window: int,
+    steps: int,
+    threads: int,
+    shape: str,
+    device: str,
+    dtype: str,
+    compile: bool,
 ) -> dict:
     """One measurement, in this fresh process."""
     torch.set_num_threads(threads)
@@ -72,12 +81,16 @@ def child(
         generator = torch.Generator().manual_seed(0)
         ids = torch.randint(3, model.config.vocab_size, (1, tokens), generator=generator)
     ids, cuda = ids.to(device), device.startswith("cuda")
-    measures = [measure(model, ids, steps, cuda) for _ in range(2 if cuda else 1)]  # CUDA: warmed up first
+    step = torch.compile(model, dynamic=True) if compile else model  # the decode steps, as users compile them
+    measures = [
+        measure(model, step, ids, steps, cuda) for _ in range(2 if cuda or compile else 1)
+    ]  # warmed up
     return measures[-1]
 
 
-def measure(model, ids: torch.Tensor, steps: int, cuda: bool) -> dict:
-    """One forward over ``ids`` through a fresh cache, then ``steps`` greedy decode steps."""
+def measure(model, step, ids: torch.Tensor, steps: int, cuda: bool) -> dict:
+    """One forward of ``model`` over ``ids`` through a fresh cache, then ``steps`` greedy decode steps of
+    ``step`` (the model, or the model compiled)."""
     from transformers import DynamicCache
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -98,7 +111,7 @@ def measure(model, ids: torch.Tensor, steps: int, cuda: bool) -> dict:
         for _ in range(steps):
             sync()
             started = time.perf_counter()
-            out = model(input_ids=token, past_key_values=cache, logits_to_keep=1)
+            out = step(input_ids=token, past_key_values=cache, logits_to_keep=1)
             token = out.logits[:, -1:].argmax(-1)
             sync()
             step_times.append(time.perf_counter() - started)
@@ -133,6 +146,12 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--variants", nargs="*", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode through torch.compile(model, dynamic=True), as users compile their steps (a first pass "
+        "compiles and is not timed)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -142,7 +161,8 @@ def main() -> None:
     for repeat in range(args.repeats):
         for name in runs:  # interleaved: each repeat runs every variant once, in a fresh process
             command = [sys.executable, __file__, "--child", name]
-            command += [f"--{k}={getattr(args, k)}" for k in OPTIONS]
+            command += [f"--{k}={getattr(args, k)}" for k in OPTIONS if k != "compile"]
+            command += ["--compile"] if args.compile else []
             environment = {**os.environ, **VARIANTS[name][1]}
             done = subprocess.run(command, capture_output=True, text=True, check=True, env=environment)
             runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -150,7 +170,8 @@ def main() -> None:
     median = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
     base = median["unpatched"]
     print(
-        f"{args.shape}, {args.tokens} tokens, ReRoPE w={args.window}, {args.dtype}, sdpa, {where(args)}; "
+        f"{args.shape}, {args.tokens} tokens, ReRoPE w={args.window}, {args.dtype}, sdpa, {where(args)}"
+        f"{', decode steps compiled' if args.compile else ''}; "
         f"medians of {args.repeats} interleaved fresh-process runs\n"
     )
     print(

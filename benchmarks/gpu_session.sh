@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_session.sh tests       # the gpu suite (-m gpu) and the exit's tests
 #   bash benchmarks/gpu_session.sh rerope      # ReRoPE + logn (flex bands, and public) against unpatched at 16k and
 #                                              # 32k, Llama-3.2-1B's shape; then at 16k, SmolLM2's shape; bf16, sdpa
+#   bash benchmarks/gpu_session.sh decode      # the same at 16k with the decode steps compiled, as users run them
 #   bash benchmarks/gpu_session.sh overhead    # patched/unpatched at 4k/16k/32k, Llama-3.2-1B's shapes, bf16, sdpa
 #   bash benchmarks/gpu_session.sh memory      # the exit with a learnable sink under a padding mask, 16k and 32k
 #   bash benchmarks/gpu_session.sh streaming   # throughput, memory at 16k against 256k, generate() at 1k against 64k
@@ -33,7 +34,7 @@
 # word2number, which come as source only.
 set -uo pipefail
 stages=("$@")
-valid="tests rerope overhead memory streaming training lmeval"
+valid="tests rerope decode overhead memory streaming training lmeval"
 for stage in "${stages[@]:-}"; do
     if [[ " $valid " != *" $stage "* ]]; then
         echo "usage: $0 STAGE..., each one of: $valid (got '$stage')" >&2
@@ -66,6 +67,10 @@ run_stage() {
             --json "$results/overhead-rerope.json" 2>&1 | tee "$results/overhead-rerope.log" &&
             python3 benchmarks/bench_rerope.py --device cuda --shape smollm2-135m-shape --dtype bfloat16 \
                 --tokens 16384 --repeats 3 --variants "ReRoPE + logn" 2>&1 | tee "$results/rerope.log"
+        ;;
+    decode)
+        python3 benchmarks/bench_rerope.py --device cuda --shape smollm2-135m-shape --dtype bfloat16 \
+            --tokens 16384 --repeats 3 --variants "ReRoPE + logn" --compile 2>&1 | tee "$results/rerope-compiled.log"
         ;;
     overhead)
         python3 benchmarks/bench_overhead.py "${shape[@]}" --lengths 4096,16384,32768 --repeats 7,5,3 \
