@@ -220,26 +220,41 @@ def watch_fused_parts(monkeypatch, on: bool) -> list:
     return calls
 
 
-def watch_flex_bands(monkeypatch) -> list:
-    """The flex key bands (`hf_attnscale.core.call.flex_parts`, CUDA's ReRoPE path) switched on for the CPU, where
-    flex runs uncompiled and forward only: its first-use check, which runs backward too, is the GPU suite's.
-    Returns a list that each call of the path that served appends to."""
+def count_flex_bands(monkeypatch) -> list:
+    """Each call of the flex key bands (`hf_attnscale.core.call.flex_parts`, CUDA's ReRoPE path) that served a
+    model: outside their first-use check (its verdicts cleared first), and not handed back to the chunks."""
     from hf_attnscale.core.call import flex_parts
 
-    monkeypatch.setattr(flex_parts, "SERVED_DEVICES", {"cpu": 1})
     monkeypatch.setattr(flex_parts.CHECK, "verdicts", {})
-    monkeypatch.setattr(flex_parts, "_check", lambda *args: None)
-    calls = []
-    attention = flex_parts.attention
+    served, checking = [], []
+    attention, check = flex_parts.attention, flex_parts._check
 
     def counted(*args):
         out = attention(*args)
-        if out is not None:
-            calls.append(1)
+        if out is not None and not checking:
+            served.append(1)
         return out
 
+    def flagged(*args):
+        checking.append(1)
+        try:
+            return check(*args)
+        finally:
+            checking.pop()
+
     monkeypatch.setattr(flex_parts, "attention", counted)
-    return calls
+    monkeypatch.setattr(flex_parts, "_check", flagged)
+    return served
+
+
+def watch_flex_bands(monkeypatch) -> list:
+    """The flex key bands switched on for the CPU, where flex runs uncompiled and forward only: their first-use
+    check, which runs backward too, is the GPU suite's. Returns `count_flex_bands`' list."""
+    from hf_attnscale.core.call import flex_parts
+
+    monkeypatch.setattr(flex_parts, "SERVED_DEVICES", {"cpu": 1})
+    monkeypatch.setattr(flex_parts, "_check", lambda *args: None)
+    return count_flex_bands(monkeypatch)
 
 
 def patched_beside_reference(model: torch.nn.Module, options: dict):

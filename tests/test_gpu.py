@@ -23,6 +23,7 @@ from conftest import (
     GREEDY,
     SHARP_VOCAB,
     VOCAB,
+    count_flex_bands,
     model_output,
     patched_and_reference,
     patched_beside_reference,
@@ -347,28 +348,8 @@ def rerope_pair(device: torch.device, attn: str, options: dict):
 
 @pytest.fixture
 def flex_bands(monkeypatch) -> list:
-    """Each call of CUDA's flex key bands (`hf_attnscale.core.call.flex_parts`) that served the model: outside
-    their first-use check (its verdicts cleared first), and not handed back to the chunks."""
-    monkeypatch.setattr(flex_parts.CHECK, "verdicts", {})
-    served, checking = [], []
-    attention, check = flex_parts.attention, flex_parts._check
-
-    def counted(*args):
-        out = attention(*args)
-        if out is not None and not checking:
-            served.append(1)
-        return out
-
-    def flagged(*args):
-        checking.append(1)
-        try:
-            return check(*args)
-        finally:
-            checking.pop()
-
-    monkeypatch.setattr(flex_parts, "attention", counted)
-    monkeypatch.setattr(flex_parts, "_check", flagged)
-    return served
+    """Each call of CUDA's flex key bands that served the model (`conftest.count_flex_bands`)."""
+    return count_flex_bands(monkeypatch)
 
 
 @pytest.mark.parametrize("option", list(RE_ROPE))

@@ -15,7 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from hf_attnscale.core.call.masks import visible_keys
+from hf_attnscale.core.call.masks import softmax_scale, visible_keys
 
 
 def clipped_softmax_attention(
@@ -46,7 +46,7 @@ def clipped_softmax_attention(
     heads, q_len, k_len = query.shape[1], query.shape[2], key.shape[2]
     groups = heads // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scaling = softmax_scale(query, scaling)
     scores = torch.matmul(query, key.transpose(-1, -2)).float() * scaling
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap

@@ -29,7 +29,8 @@ import torch
 import torch._dynamo
 
 from hf_attnscale.core.call import first_use
-from hf_attnscale.core.call.key_parts import KeyPart, merge, plain_parts, softmax_scale
+from hf_attnscale.core.call.key_parts import KeyPart, merge, plain_parts
+from hf_attnscale.core.call.masks import softmax_scale
 
 ENV_SWITCH = "HF_ATTNSCALE_FLEX_PARTS"
 BLOCK = 128

@@ -32,7 +32,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 
 from hf_attnscale.core.call import cpu_flash, first_use
 from hf_attnscale.core.call.exit import AttentionFn, sdpa_exit_attention
-from hf_attnscale.core.call.masks import additive_mask
+from hf_attnscale.core.call.masks import additive_mask, softmax_scale
 
 ENV_SWITCH = "HF_ATTNSCALE_FUSED_EXIT"
 
@@ -130,7 +130,7 @@ def fused_exit_attention(
             mask = additive_mask(mask, query.dtype)
         mask = mask.to(query.dtype)
     is_causal = bool(causal and mask is None and query.shape[2] > 1)
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scaling = softmax_scale(query, scaling)
     out = _FlashExit.apply(query, key, value, exit_logits, mask, is_causal, scaling)
     return out.transpose(1, 2).contiguous()
 

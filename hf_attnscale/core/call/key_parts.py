@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from hf_attnscale.core.call import cpu_flash, first_use
-from hf_attnscale.core.call.masks import additive_mask
+from hf_attnscale.core.call.masks import additive_mask, softmax_scale
 
 ENV_SWITCH = "HF_ATTNSCALE_FUSED_PARTS"
 
@@ -171,11 +171,6 @@ def merge(
     total = torch.logsumexp(torch.stack(lses), dim=0)
     merged = sum(out.float() * (lse - total).exp().unsqueeze(-1) for out, lse in zip(outs, lses))
     return merged.to(outs[0].dtype), total
-
-
-def softmax_scale(query: torch.Tensor, scaling: float | None) -> float:
-    """The scores' scale: the model's ``scaling``, else the backends' default, one over the root of the head dim."""
-    return query.shape[-1] ** -0.5 if scaling is None else scaling
 
 
 class _MergedParts(torch.autograd.Function):

@@ -1,7 +1,8 @@
 """Which keys each query row sees, from the mask a backend receives (or, without one, from the shapes).
 
 Every backend's conventions: a 2D padding mask (flash), a 4D bool or additive mask (eager, sdpa), a flex
-BlockMask, or none (sdpa's ``is_causal``; causal prefill aligned top-left by sdpa and eager, bottom-right by flash).
+BlockMask, or none (sdpa's ``is_causal``; causal prefill aligned top-left by sdpa and eager, bottom-right by flash);
+and their default scale of the scores, where a call gives none.
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ def _dense(q_len: int, k_len: int, mask: Any) -> tuple[torch.Tensor | None, torc
     if mask is not None and mask.dim() == 4:
         return visible_entries(mask)[..., :k_len], None
     return None, mask
+
+
+def softmax_scale(query: torch.Tensor, scaling: float | None) -> float:
+    """The scores' scale: the model's ``scaling``, else the backends' default, one over the root of the head dim."""
+    return query.shape[-1] ** -0.5 if scaling is None else scaling
 
 
 def additive_mask(shown: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
