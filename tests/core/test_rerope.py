@@ -5,6 +5,7 @@ rotary, local layers and NoPE layers, with the other options, forward and backwa
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from conftest import (
 from model_zoo import zoo_model
 
 import hf_attnscale as hfa
-from hf_attnscale.core.call import key_parts
+from hf_attnscale.core.call import key_parts, rope
 
 WINDOW, LEAK, LENGTH = 4, 3.0, 16
 ROPE_TYPES = {  # transformers' own rope_parameters, each with what the tiny model's RoPE needs
@@ -186,6 +187,42 @@ def test_decoding_with_yarns_attention_scaling_and_no_mask(option):
     with torch.no_grad():
         whole = model(input_ids=out.sequences).logits
     torch.testing.assert_close(torch.stack(out.logits, 1), whole[:, 5:-1], atol=1e-4, rtol=1e-4)
+
+
+def test_the_windows_cos_sin_are_computed_once_and_follow_the_rotary(monkeypatch):
+    """Every layer of every decoding step turns the query and the near keys by the same distances, so their
+    cos/sin are computed once for a whole generate(); changed in place, or gone with their model, the rotary's
+    frequencies are read again (each time against the reference)."""
+    tables = []
+    original = rope.RotaryFrequencies.cos_sin
+    monkeypatch.setattr(
+        rope.RotaryFrequencies, "cos_sin", lambda *a, **k: tables.append(a[1].shape) or original(*a, **k)
+    )
+    model, reference = patched_beside_reference(sharp_model("llama"), OPTIONS["rerope"])
+    frequencies = id(model.model.rotary_emb.inv_freq)
+    ids = sharp_inputs(batch=1, padded=False)["input_ids"][:, :6]
+    for factor in (1.0, 0.7):
+        for each in (model, reference):
+            each.model.rotary_emb.inv_freq.mul_(factor)
+        tables.clear()
+        out = model.generate(input_ids=ids, max_new_tokens=10, **GREEDY)
+        assert tables == [(1, WINDOW + 1)]  # one table: the prefill's own cos/sin, then the table's rows
+        with torch.no_grad():
+            whole = reference(input_ids=out.sequences).logits
+        torch.testing.assert_close(torch.stack(out.logits, 1), whole[:, 5:-1], atol=1e-4, rtol=1e-4)
+    assert frequencies in rope._TABLES
+    del model, out
+    gc.collect()
+    assert frequencies not in rope._TABLES
+
+
+def test_a_table_made_under_inference_mode_serves_training():
+    model = hfa.patch(sharp_model("llama"), **OPTIONS["rerope"])
+    inputs = sharp_inputs()
+    with torch.inference_mode():
+        model(**inputs)
+    model(**inputs).logits.sum().backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("attn", FORWARD_ATTNS, indirect=True)

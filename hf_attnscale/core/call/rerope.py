@@ -91,11 +91,10 @@ def rerope_attention(
         far_q = rotate(call.rope, query, call.frequencies.cos_sin(shifted, dtype, call.leak))
         far_k = rotate(call.rope, key, call.frequencies.cos_sin(positions, dtype, call.leak))
     else:
-        far_q = rotate(call.rope, query, call.frequencies.cos_sin(positions[:, :1] * 0 + window, dtype))
+        table = call.frequencies.at_distances(window + 1, dtype, device)
+        far_q = rotate(call.rope, query, _rows(table, window, window + 1))
         unscaled = call.frequencies.scaling == 1.0
-        far_k = (
-            key if unscaled else rotate(call.rope, key, call.frequencies.cos_sin(positions[:, :1] * 0, dtype))
-        )
+        far_k = key if unscaled else rotate(call.rope, key, _rows(table, 0, 1))
     if bands is not None:
         limit = min(sliding_window or k_len, k_len)  # every distance seen is below it
         parts = [Band(near_q, near_k, value, 0, min(window, limit))]
@@ -149,17 +148,15 @@ def _decode(
     i = k_len - 1
     far_end = max(0, i - window + 1)
     at = call.frequencies.cos_sin
-    zero = positions[:, :1] * 0
+    table = call.frequencies.at_distances(window + 1, dtype, query.device)
     if call.leak is None:
-        query = rotate(call.rope, query, at(zero + window, dtype))
-        near = rotate(call.rope, key[:, :, far_end:], at(positions[:, far_end:] - i + window, dtype))
+        query = rotate(call.rope, query, _rows(table, window, window + 1))
+        near = rotate(call.rope, key[:, :, far_end:], _rows(table, far_end - i + window, window + 1))
         far = key[:, :, :far_end]
-        if (
-            call.frequencies.scaling != 1.0
-        ):  # the attention scaling YaRN folds into cos/sin, on the far keys too
-            far = rotate(call.rope, far, at(zero, dtype))
+        if call.frequencies.scaling != 1.0:  # the attention scaling YaRN folds into cos/sin, on far keys too
+            far = rotate(call.rope, far, _rows(table, 0, 1))
     else:
-        query = rotate(call.rope, query, at(zero, dtype))  # the attention scaling only
+        query = rotate(call.rope, query, _rows(table, 0, 1))  # the attention scaling only
         near = rotate(call.rope, key[:, :, far_end:], at(positions[:, far_end:] - i, dtype))
         leaky = at(positions[:, :far_end] - i - window * (call.leak - 1), dtype, call.leak)
         far = rotate(call.rope, key[:, :, :far_end], leaky)
@@ -168,6 +165,11 @@ def _decode(
     if mask is not None or sliding_window:
         shown = _visible(mask, 0, 1, k_len, positions[:, -1:].view(1, 1), sliding_window, query.device)
     return attend([KeyPart(query, keys, value, shown)])
+
+
+def _rows(table: CosSin, start: int, stop: int) -> CosSin:
+    """The cos/sin at distances ``start .. stop-1`` of a table from 0 (`RotaryFrequencies.at_distances`)."""
+    return table[0][:, start:stop], table[1][:, start:stop]
 
 
 def _visible(mask, start, stop, k_len, q_pos, sliding_window, device) -> torch.Tensor:

@@ -4,13 +4,15 @@ from a rotary module's own frequencies (ReRoPE here; `SinkCache` streaming build
 A rotary module computes ``cos, sin = (cos(p·θ), sin(p·θ)) · s`` from its ``inv_freq`` θ (scaled as its rope
 type says: YaRN, llama3, linear, dynamic NTK...) and its ``attention_scaling`` s, in the halves layout
 ``[θ, θ]``. `RotaryFrequencies` reads both, and gives cos/sin at any positions, in float64 angles, so that
-positions far past the trained length keep full precision.
+positions far past the trained length keep full precision. The cos/sin at the distances of a window, which
+every layer of every ReRoPE decoding step reads, are made once per frequencies (`RotaryFrequencies.at_distances`).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -86,15 +88,37 @@ class RotaryFrequencies:
         scaling = getattr(rotary, f"{prefix}attention_scaling", getattr(rotary, "attention_scaling", None))
         if not isinstance(inv_freq, torch.Tensor) or scaling is None:
             return None
-        return cls(inv_freq.detach(), float(scaling))
+        return cls(inv_freq, float(scaling))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, slower: float = 1.0) -> CosSin:
         """cos, sin at ``positions`` ``(B, n)`` (any reals), ``(B, n, rotary_dim)``, angles in float64; the
         frequencies divided by ``slower`` (leaky ReRoPE's second RoPE)."""
-        inv_freq = self.inv_freq.to(positions.device, torch.float64) / slower
-        angles = positions.to(torch.float64)[..., None] * inv_freq
-        emb = torch.cat([angles, angles], dim=-1)
-        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+        inv_freq = self.inv_freq.to(positions.device, torch.float64)
+        if slower != 1.0:
+            inv_freq = inv_freq / slower
+        angles = positions.to(torch.float64)[..., None] * torch.cat([inv_freq, inv_freq])
+        cos, sin = angles.cos(), angles.sin()
+        if self.scaling != 1.0:
+            cos, sin = cos * self.scaling, sin * self.scaling
+        return cos.to(dtype), sin.to(dtype)
+
+    def at_distances(self, count: int, dtype: torch.dtype, device: torch.device) -> CosSin:
+        """cos, sin at the distances ``0 .. count-1``, ``(1, count, rotary_dim)``: every layer of every decoding
+        step reads the same ones (ReRoPE's window), so they are computed once per frequencies, count, dtype and
+        device, and kept while the rotary module keeps this ``inv_freq`` unchanged. A compiled graph computes
+        them itself."""
+        if torch.compiler.is_compiling():
+            return self.cos_sin(torch.arange(count, device=device)[None], dtype)
+        # the buffer's in-place version counter: a host-side integer, so the lookup never waits on the device
+        key = (count, self.scaling, dtype, torch.device(device), self.inv_freq._version)
+        tables = _tables_of(self.inv_freq)
+        if key not in tables:
+            for stale in [kept for kept in tables if kept[-1] != key[-1]]:
+                del tables[stale]
+            # made outside inference mode: a table kept from an inference-mode call serves calls with gradients
+            with torch.inference_mode(False):
+                tables[key] = self.cos_sin(torch.arange(count, device=device)[None], dtype)
+        return tables[key]
 
     @classmethod
     def checked(
@@ -113,3 +137,17 @@ class RotaryFrequencies:
             for got, want in zip(computed, own)
         )
         return frequencies if same else None
+
+
+_TABLES: dict[int, tuple[weakref.ref, dict[tuple[Any, ...], CosSin]]] = {}
+"""`RotaryFrequencies.at_distances`' tables, by the ``id`` of the ``inv_freq`` they came from (tensors compare
+by value, so no weak dictionary can hold them as keys); an entry goes when its ``inv_freq`` does."""
+
+
+def _tables_of(inv_freq: torch.Tensor) -> dict[tuple[Any, ...], CosSin]:
+    key = id(inv_freq)
+    entry = _TABLES.get(key)
+    if entry is None or entry[0]() is not inv_freq:
+        entry = (weakref.ref(inv_freq, lambda _: _TABLES.pop(key, None)), {})
+        _TABLES[key] = entry
+    return entry[1]
