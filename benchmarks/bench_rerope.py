@@ -14,7 +14,8 @@ random tokens, for a machine that cannot fetch it (time does not depend on the w
 CUDA or compiled, of a second pass after a first that warms the kernels up (and compiles), synchronised on CUDA. Memory: on the CPU the
 process's peak resident set during the forward (Linux's VmHWM, reset just before it), less its resident set
 before it; on CUDA ``torch.cuda.max_memory_allocated`` during the forward, less what was allocated before it.
-Threads: ``--threads`` (default 1). A smoke run: ``--tokens 256 --window 64 --steps 2 --repeats 1``.
+Ops: the ATen operators that compute (not views) in one more decode step, eager; each is a kernel launch on a
+GPU, where a small model's eager step waits on launches. Threads: ``--threads`` (default 1). A smoke run: ``--tokens 256 --window 64 --steps 2 --repeats 1``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 REROPE_LOGN = {"rerope_window": 1024, "scale": "logn", "train_length": 8192}
 VARIANTS = {  # name: (patch options, environment)
@@ -115,11 +117,27 @@ def measure(model, step, ids: torch.Tensor, steps: int, cuda: bool) -> dict:
             token = out.logits[:, -1:].argmax(-1)
             sync()
             step_times.append(time.perf_counter() - started)
+        with CountOps() as counted:  # one more step, eager and untimed
+            model(input_ids=token, past_key_values=cache, logits_to_keep=1)
     return {
         "forward_s": forward,
         "decode_ms": 1000 * statistics.median(step_times),
         "forward_peak_gib": (peak - resident) / 2**20,
+        "decode_ops": counted.ops,
     }
+
+
+class CountOps(TorchDispatchMode):
+    """The ATen operators that compute (views left out) in its block: each is at least one kernel launch on a
+    GPU, where an eager decoding step of a small model waits on launches more than on arithmetic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += not func.is_view
+        return func(*args, **(kwargs or {}))
 
 
 def _status_kib(field: str) -> int:
@@ -175,14 +193,16 @@ def main() -> None:
         f"medians of {args.repeats} interleaved fresh-process runs\n"
     )
     print(
-        "| variant | forward (s) | x unpatched | forward peak (GiB) | x unpatched | decode step (ms) | x unpatched |"
+        "| variant | forward (s) | x unpatched | forward peak (GiB) | x unpatched | decode step (ms) | x unpatched "
+        "| ops per decode step | x unpatched |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, m in median.items():
         print(
             f"| {name} | {m['forward_s']:.3f} | {m['forward_s'] / base['forward_s']:.2f} | "
             f"{m['forward_peak_gib']:.2f} | {m['forward_peak_gib'] / base['forward_peak_gib']:.2f} | "
-            f"{m['decode_ms']:.1f} | {m['decode_ms'] / base['decode_ms']:.2f} |"
+            f"{m['decode_ms']:.1f} | {m['decode_ms'] / base['decode_ms']:.2f} | "
+            f"{m['decode_ops']:.0f} | {m['decode_ops'] / base['decode_ops']:.2f} |"
         )
 
 

@@ -11,15 +11,20 @@ from conftest import (
     DECODERS,
     ENCODERS,
     FEATURES,
+    GREEDY,
     VOCAB,
     model_output,
     patched_and_reference,
+    patched_beside_reference,
     sample_inputs,
+    sharp_inputs,
+    sharp_model,
     tiny_model,
 )
 from reference import make_reference, reference_attention
 
 import hf_attnscale as hfa
+from hf_attnscale.core.call import scaled
 
 # Every feature on one model of each kind (incl. sliding windows); the combined features on every family.
 FULL_MATRIX = ["llama", "mistral", "bert", "modernbert"]
@@ -110,6 +115,24 @@ def test_batched_generate_left_padding_dynamic_cache(model_type, feature, attn):
     assert got.sequences.shape == (3, 13)
     torch.testing.assert_close(got.sequences, want.sequences, atol=0, rtol=0)
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "options", [{"scale": "logn", "train_length": 2}, {"scale": "llama4", "train_length": 3, "beta": 0.5}]
+)
+@pytest.mark.parametrize(("model_type", "overrides"), [("llama", {}), ("mistral", {"sliding_window": 64})])
+def test_unmasked_decoding_steps_scale_by_one_number_per_step(model_type, overrides, options):
+    """One unpadded row under sdpa: each decoding step passes no mask, and the law's number, the same in every
+    layer, is made once per step (`scaled._step_multiplier`); every step's logits against the reference."""
+    patched, reference = patched_beside_reference(sharp_model(model_type, "sdpa", **overrides), options)
+    ids = sharp_inputs(batch=1, padded=False)["input_ids"][:, :6]
+    scaled._step_multiplier.cache_clear()
+    out = patched.generate(input_ids=ids, max_new_tokens=10, **GREEDY)
+    made = scaled._step_multiplier.cache_info()
+    assert made.misses == 10 - 1 and made.hits == made.misses * (patched.config.num_hidden_layers - 1)
+    with torch.no_grad():
+        whole = reference(input_ids=out.sequences).logits
+    torch.testing.assert_close(torch.stack(out.logits, 1), whole[:, 5:-1], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

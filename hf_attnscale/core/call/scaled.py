@@ -16,6 +16,8 @@ How calls get here (names, registration) is `hf_attnscale.core.call.dispatch`; t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -54,16 +56,13 @@ def scaled_attention(
     is_causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if config.scale != "none":
-        n = visible_key_counts(
-            query.shape[2],
-            key.shape[2],
-            attention_mask,
-            causal=causal,
-            sliding_window=kwargs.get("sliding_window"),
-            bottom_right=backend.bottom_right,
-            device=query.device,
-        )
-        query = query * query_multiplier(config, n, state.ssmax).unsqueeze(-1).to(query.dtype)
+        shape = (query.shape[2], key.shape[2], causal, kwargs.get("sliding_window"), backend.bottom_right)
+        fixed = query.shape[2] == 1 and attention_mask is None and state.ssmax is None
+        if fixed and not torch.compiler.is_compiling():  # a graph computes it itself
+            multiplier = _step_multiplier(config, *shape, query.device, query.dtype)
+        else:
+            multiplier = _multiplier(config, *shape, query.device, query.dtype, attention_mask, state.ssmax)
+        query = query * multiplier
     exit_logits = None
     if config.has_exit:
         backend.check_exit(query.device)
@@ -146,3 +145,29 @@ def scaled_attention(
     if state.output_gate is not None:
         out = apply_gate(state.output_gate, module, out)
     return out, weights
+
+
+def _multiplier(
+    config, q_len, k_len, causal, sliding_window, bottom_right, device, dtype, mask=None, ssmax=None
+) -> torch.Tensor:
+    """The scale law of the keys each query row sees, ``(B|1, 1|H, Tq, 1)`` in ``dtype``."""
+    n = visible_key_counts(
+        q_len,
+        k_len,
+        mask,
+        causal=causal,
+        sliding_window=sliding_window,
+        bottom_right=bottom_right,
+        device=device,
+    )
+    return query_multiplier(config, n, ssmax).unsqueeze(-1).to(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _step_multiplier(
+    config, q_len, k_len, causal, sliding_window, bottom_right, device, dtype
+) -> torch.Tensor:
+    """`_multiplier` of a decoding step with no mask and a law that learns nothing: the same in every layer, so
+    made once per step, one number (made outside inference mode, for calls with gradients)."""
+    with torch.inference_mode(False):
+        return _multiplier(config, q_len, k_len, causal, sliding_window, bottom_right, device, dtype)
