@@ -53,7 +53,7 @@ def methods() -> dict[str, dict]:
 # The cells that settle the goal run first: the passkeys past 8k of the patch that reads within 1% of the
 # unchanged model inside 8k (w2048 + logn) and of YaRN, shortest haystack and lowest seed first. The rest follow:
 # perplexity by position, then seed 0's passkeys at every length (one whole grid, as section 9's), then seeds 1
-# and 2, each by length, ReRoPE before the methods section 9 already ran.
+# and 2 by length, the shortest haystack's three seeds first, ReRoPE before the methods section 9 already ran.
 GOAL_METHODS = ("ReRoPE w2048 + logn", "YaRN")
 
 
@@ -62,7 +62,7 @@ def priority(cell: tuple[str, int | None, int, str]) -> tuple:
     length = next((n for n, name in PASSKEY_TASKS.items() if name == task), 0)
     if length > TRAINED_LENGTH[MODEL] and label in GOAL_METHODS:
         return (0, length, seed, GOAL_METHODS.index(label))
-    return (1, seed, length, "ReRoPE" not in label, list(methods()).index(label))
+    return (1, seed > 0, length, seed, "ReRoPE" not in label, list(methods()).index(label))
 
 
 def measured(task: str, model_args: dict, metadata: dict, limit: int | None, threads: int) -> dict:
