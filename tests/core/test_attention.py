@@ -133,6 +133,10 @@ def test_unmasked_decoding_steps_scale_by_one_number_per_step(model_type, overri
     with torch.no_grad():
         whole = reference(input_ids=out.sequences).logits
     torch.testing.assert_close(torch.stack(out.logits, 1), whole[:, 5:-1], atol=1e-5, rtol=1e-5)
+    with torch.inference_mode():  # the number kept from an inference-mode step serves one with gradients
+        patched(input_ids=ids[:, :1])
+    patched(input_ids=ids[:, :1]).logits.sum().backward()
+    assert scaled._step_multiplier.cache_info().hits > made.hits
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from conftest import SHARP_VOCAB, sharp_model
+from conftest import GREEDY, SHARP_VOCAB, sharp_model
 from reference import make_reference
 from transformers import AutoModelForCausalLM
 
@@ -79,6 +79,27 @@ def test_composes_with_logn_and_rerope(tmp_path, name, options):
         torch.testing.assert_close(got, loaded(_ids()).logits, atol=1e-6, rtol=1e-6)
         hfa.unpatch(model)
         assert torch.equal(model(_ids()).logits, before)
+
+
+@pytest.mark.parametrize("name", ["yarn", "dynamic", "longrope"])
+def test_decoding_with_logn_and_rerope_equals_the_checkpoint_loaded_with_them(tmp_path, name):
+    """generate() on one unpadded row, past the trained length: each step's query has no mask, so the law's
+    number and ReRoPE's window cos/sin are made once per step (or per rotary frequencies). It equals the
+    checkpoint loaded with the rescaling and patched alike, under inference mode too, where dynamic NTK and
+    LongRoPE make their frequencies as inference tensors; a training forward runs after it."""
+    options = {"scale": "logn", "train_length": TRAINED, "rerope_window": 8}
+    model = sharp_model("llama", max_position_embeddings=TRAINED)
+    loaded = hfa.patch(_loaded_with(model, RESCALINGS[name], tmp_path), **options)
+    hfa.patch(model, rope_parameters=RESCALINGS[name], **options)
+    ids = _ids(length=12)[:1]
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            got = model.generate(input_ids=ids, max_new_tokens=12, **GREEDY)
+            want = loaded.generate(input_ids=ids, max_new_tokens=12, **GREEDY)
+        torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=1e-5, rtol=1e-5)
+    model.train()
+    model(got.sequences.clone()).logits.sum().backward()  # a normal tensor: the ids came from inference mode
+    assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
 
 
 def test_by_layer_type_on_a_model_with_several(tmp_path):

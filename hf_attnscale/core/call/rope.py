@@ -93,7 +93,7 @@ class RotaryFrequencies:
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, slower: float = 1.0) -> CosSin:
         """cos, sin at ``positions`` ``(B, n)`` (any reals), ``(B, n, rotary_dim)``, angles in float64; the
         frequencies divided by ``slower`` (leaky ReRoPE's second RoPE)."""
-        inv_freq = self.inv_freq.to(positions.device, torch.float64)
+        inv_freq = self.inv_freq.detach().to(positions.device, torch.float64)
         if slower != 1.0:
             inv_freq = inv_freq / slower
         angles = positions.to(torch.float64)[..., None] * torch.cat([inv_freq, inv_freq])
@@ -103,22 +103,25 @@ class RotaryFrequencies:
         return cos.to(dtype), sin.to(dtype)
 
     def at_distances(self, count: int, dtype: torch.dtype, device: torch.device) -> CosSin:
-        """cos, sin at the distances ``0 .. count-1``, ``(1, count, rotary_dim)``: every layer of every decoding
+        """cos, sin at the distances ``0 .. count-1``, ``(1, count, rotary_dim)``. Every layer of every decoding
         step reads the same ones (ReRoPE's window), so they are computed once per frequencies, count, dtype and
-        device, and kept while the rotary module keeps this ``inv_freq`` unchanged. A compiled graph computes
-        them itself."""
-        if torch.compiler.is_compiling():
+        device, and kept while the rotary module holds this ``inv_freq`` buffer, made again when PyTorch counts
+        an in-place change to it (not a write through ``.data``). A compiled graph computes them itself, and
+        so does a call on an ``inv_freq`` made in inference mode, which counts no changes."""
+        if torch.compiler.is_compiling() or self.inv_freq.is_inference():
             return self.cos_sin(torch.arange(count, device=device)[None], dtype)
         # the buffer's in-place version counter: a host-side integer, so the lookup never waits on the device
         key = (count, self.scaling, dtype, torch.device(device), self.inv_freq._version)
         tables = _tables_of(self.inv_freq)
-        if key not in tables:
-            for stale in [kept for kept in tables if kept[-1] != key[-1]]:
-                del tables[stale]
+        table = tables.get(key)
+        if table is None:
             # made outside inference mode: a table kept from an inference-mode call serves calls with gradients
             with torch.inference_mode(False):
-                tables[key] = self.cos_sin(torch.arange(count, device=device)[None], dtype)
-        return tables[key]
+                table = self.cos_sin(torch.arange(count, device=device)[None], dtype)
+            for stale in [kept for kept in list(tables) if kept[-1] != key[-1]]:
+                tables.pop(stale, None)  # another thread may have taken it already
+            tables[key] = table
+        return table
 
     @classmethod
     def checked(
@@ -141,7 +144,7 @@ class RotaryFrequencies:
 
 _TABLES: dict[int, tuple[weakref.ref, dict[tuple[Any, ...], CosSin]]] = {}
 """`RotaryFrequencies.at_distances`' tables, by the ``id`` of the ``inv_freq`` they came from (tensors compare
-by value, so no weak dictionary can hold them as keys); an entry goes when its ``inv_freq`` does."""
+by value, so Python's weak dictionaries cannot hold them as keys); an entry goes when its ``inv_freq`` does."""
 
 
 def _tables_of(inv_freq: torch.Tensor) -> dict[tuple[Any, ...], CosSin]:

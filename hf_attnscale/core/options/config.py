@@ -186,6 +186,7 @@ class AttnScaleConfig:
     )
     rope_parameters: dict[str, Any] | None = field(
         default=None,
+        hash=False,  # a dict: the rest of the options hash the config (equality still compares it)
         metadata=_option(
             "RoPE rescaling: transformers' rope_parameters, JSON or rope_type=yarn;factor=4",
             parse=_rope_parameters,
