@@ -45,3 +45,20 @@ def test_section_9s_seed_0_cells_stand_in_and_say_so(rerope, tmp_path):
     assert "| YaRN | section 9 | not run |" in cost  # reused: no time of its own
     assert "| unpatched | 474 s, 10.2 GiB | not run |" in cost  # the mean of the cells timed here only
     assert "| ReRoPE w2048 | not run |" in cost and (tmp_path / "rerope.png").stat().st_size > 10_000
+
+
+def test_a_run_on_a_machine_without_the_kept_cells_takes_them_from_the_last_report(rerope, tmp_path):
+    timed = {
+        "acc,none": 1 / 3,
+        "key_loglikelihood,none": -2.0646947224934897,
+        "seconds": 703.3,
+        "peak_gib": 11.2,
+    }
+    table = {label: {} for label in rerope.methods()}
+    table["ReRoPE w1024"][("hfa_passkey_16k", 1)] = timed
+    rerope.report(table, {16384: "hfa_passkey_16k"}, (0.0, 0.5, 1.0), (0, 1, 2), 32768, tmp_path)
+    reported = rerope.reported_results(tmp_path)
+    assert rerope.reported_cell(reported, "ReRoPE w1024", "hfa_passkey_16k", 1) == timed  # every digit back
+    assert rerope.reported_cell(reported, "ReRoPE w1024", "hfa_passkey_16k", 2) is None
+    assert rerope.reported_cell(reported, "YaRN", "hfa_passkey_16k", 1) is None
+    assert rerope.reported_results(tmp_path / "none") == {}

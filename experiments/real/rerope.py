@@ -92,6 +92,7 @@ def run(context: Context) -> str:
     cells = [(task, limit, seed, label) for task, limit, seed in jobs for label in methods()]
     table: dict[str, dict] = {label: {} for label in methods()}
     section_9 = {} if context.quick else section_9_results(context.out)
+    reported = {} if context.quick else reported_results(context.out)
     for task, limit, seed, label in sorted(cells, key=priority):
         metadata = {"pretrained": path, "per_cell": 1, "seed": seed, "depths": list(depths)}
         if task == "hfa_kjv_books":
@@ -101,9 +102,9 @@ def run(context: Context) -> str:
             "/quick" if context.quick else ""
         )
         kept = context.cells.path(key).is_file()
-        reused = None if kept else section_9_cell(section_9, label, task, seed)
-        if reused is not None:
-            table[label][(task, seed)] = reused
+        earlier = reported_cell(reported, label, task, seed) or section_9_cell(section_9, label, task, seed)
+        if earlier is not None and not kept:
+            table[label][(task, seed)] = earlier
         elif context.kept_only:  # a report of what is there, computing nothing
             if kept:
                 table[label][(task, seed)] = torch.load(context.cells.path(key), weights_only=False)
@@ -130,6 +131,18 @@ def section_9_cell(section_9: dict, label: str, task: str, seed: int) -> dict | 
     key log-likelihoods within 8e-5 nats. Marked ``"from": "section 9"``; it has no time or memory."""
     cell = section_9.get(label, {}).get(task) if seed == 0 else None
     return {**cell, "from": "section 9"} if cell else None
+
+
+def reported_results(out: Path) -> dict:
+    """This section's cells as its last report wrote them (``rerope.json``, committed beside the tables), so that
+    a run on a machine whose kept cells are gone computes only the cells that report lacks."""
+    path = out / "rerope.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def reported_cell(reported: dict, label: str, task: str, seed: int) -> dict | None:
+    """The reported result of one cell (its time and memory included), or none where it was not reported."""
+    return reported.get(label, {}).get(f"{task}/seed{seed}")
 
 
 def report(table, passkeys, depths, seeds, document_tokens, out: Path) -> str:
