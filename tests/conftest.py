@@ -8,7 +8,7 @@
   trained on stdlib text (the evaluation, CLI and lm-eval tests);
 * `FEATURES`, `patched_and_reference`, `sample_inputs`: every feature's patch, a patched tiny model beside its
   eager reference (same weights), and a padded batch for it;
-* `stream_logits`: a model's logits fed through a cache in chunks;
+* `stream_logits`: a model's logits fed through a cache in chunks; `OperatorCount`: the operators a block runs;
 * `device`: the device of the gpu suite (``--device``, default cuda);
 * every supported model type (`zoo_model`): `model_zoo`; building and sharpening, shared by both: `tiny`; the eager
   reference attention: `reference`.
@@ -24,6 +24,7 @@ import pytest
 import torch
 from reference import make_reference, set_gate
 from tiny import VOCAB, build, sharpen
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -369,3 +370,16 @@ def _deterministic():
     torch.manual_seed(1234)
     torch.set_num_threads(1)
     yield
+
+
+class OperatorCount(TorchDispatchMode):
+    """The ATen operators that compute (views left out) in its block, in ``operators``: on a GPU each is one
+    kernel launch at least."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.operators = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.operators += not func.is_view
+        return func(*args, **(kwargs or {}))

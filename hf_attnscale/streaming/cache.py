@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from hf_attnscale.core.call.rope import CosSin, RopeFn, rotate
+from hf_attnscale.core.call.rope import CosSin, RotateFn
 from hf_attnscale.core.options.validation import check_int
 
 from .plan import LayerGeometry, Rotations, SlotRecord, StepPlan
@@ -75,7 +75,7 @@ class SinkCacheLayer(CacheLayerMixin):
         value_states: torch.Tensor,
         plan: StepPlan,
         rotations: Rotations,
-        rope: RopeFn,
+        rope: RotateFn,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new keys (rotated by the module at the plan's positions) and values, evict what the plan
         drops, and return every key and value the new queries read."""
@@ -85,11 +85,11 @@ class SinkCacheLayer(CacheLayerMixin):
             return self._decode(key_states, value_states, plan, rotations, rope)
         sinks, keys, values, sink_keys = self.geometry.sinks, self.keys, self.values, self.sink_keys
         if rotations.rebase is not None:  # the base moved: rotate the stored window keys back by the move
-            window = rotate(rope, keys[:, :, sinks:], rotations.rebase)
+            window = rope(keys[:, :, sinks:], *rotations.rebase)
             keys = torch.cat([keys[:, :, :sinks], window], dim=2)
         if plan.new_sink_index is not None:
             sink_keys, values = _store_sinks(plan.new_sink_index, key_states, value_states, sink_keys, values)
-        sink_slots = rotate(rope, sink_keys, rotations.sinks)
+        sink_slots = rope(sink_keys, *rotations.sinks)
         keys = torch.cat([sink_slots, keys[:, :, sinks:], key_states], dim=2)
         values = torch.cat([values, value_states], dim=2)
         read = _with_sink_channels(keys, values, sink_keys) if plan.sink_channels else (keys, values)
@@ -103,7 +103,7 @@ class SinkCacheLayer(CacheLayerMixin):
                 self._basis = rotation_basis(rope, sink_keys, rotations.sinks)
         return read
 
-    def _decode(self, key_states, value_states, plan: StepPlan, rotations: Rotations, rope: RopeFn):
+    def _decode(self, key_states, value_states, plan: StepPlan, rotations: Rotations, rope: RotateFn):
         """A decoding step (`decode_plan`), all in place and with no host sync: each row's token into its slot,
         the sinks rotated into their slots, the slot record advanced. index_copy_ and index_put_, which inductor
         writes in place (a scatter_ copied whole buffers)."""
@@ -119,11 +119,11 @@ class SinkCacheLayer(CacheLayerMixin):
             mine.copy_(new)
         return self.keys, self.values
 
-    def _rotated_sinks(self, rope: RopeFn, cos_sin: CosSin) -> torch.Tensor:
+    def _rotated_sinks(self, rope: RotateFn, cos_sin: CosSin) -> torch.Tensor:
         """The sinks rotated at ``cos_sin``: ``a·cos + b·sin`` from the basis the general path found (three
         operations instead of the family's function), else by the family's function."""
         if self._basis is None:
-            return rotate(rope, self.sink_keys, cos_sin)
+            return rope(self.sink_keys, *cos_sin)
         (a, b), (cos, sin) = self._basis, cos_sin
         return a * cos.unsqueeze(1) + b * sin.unsqueeze(1)
 

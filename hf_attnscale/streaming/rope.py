@@ -12,7 +12,7 @@ import threading
 import torch
 from torch import nn
 
-from hf_attnscale.core.call.rope import CosSin, RopeFn, RotaryFrequencies, rotary_output, rotate
+from hf_attnscale.core.call.rope import CosSin, RotaryFrequencies, RotateFn, rotary_output
 
 _BUILDING = threading.Lock()
 
@@ -87,18 +87,18 @@ class RopeTable:
 
 
 def rotation_basis(
-    rope: RopeFn, keys: torch.Tensor, cos_sin: CosSin
+    rope: RotateFn, keys: torch.Tensor, cos_sin: CosSin
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(a, b)`` such that ``rotate(rope, keys, (cos, sin))`` is ``a * cos + b * sin`` (cos, sin broadcast
+    """``(a, b)`` such that ``rope(keys, cos, sin)`` is ``a * cos + b * sin`` (cos, sin broadcast
     over heads): RoPE's form ``k·cos + rot(k)·sin``, found once so that later rotations of the same keys cost
     two products and a sum. None unless the family's own rotation gives exactly that, checked bitwise at cos/sin
     of ``cos_sin``'s shape that differ in every channel (at the identity, any function would pass)."""
     cos, sin = cos_sin
     if cos.dim() != 3 or cos.shape[-1] != keys.shape[-1]:
         return None  # partial rotary, or an unusual layout: rotate the usual way
-    a = rotate(rope, keys, (torch.ones_like(cos), torch.zeros_like(sin)))
-    b = rotate(rope, keys, (torch.zeros_like(cos), torch.ones_like(sin)))
+    a = rope(keys, torch.ones_like(cos), torch.zeros_like(sin))
+    b = rope(keys, torch.zeros_like(cos), torch.ones_like(sin))
     angle = torch.linspace(0.3, 1.1, cos.shape[-1], device=cos.device, dtype=torch.float64)
     cos, sin = angle.cos().to(cos.dtype).expand_as(cos), angle.sin().to(sin.dtype).expand_as(sin)
-    got, want = a * cos.unsqueeze(1) + b * sin.unsqueeze(1), rotate(rope, keys, (cos, sin))
+    got, want = a * cos.unsqueeze(1) + b * sin.unsqueeze(1), rope(keys, cos, sin)
     return (a, b) if got.shape == want.shape and torch.equal(got, want) else None

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from hf_attnscale.core.call.backends import check_backend
-from hf_attnscale.core.call.rope import ROPE_FUNCTION, RopeFn, family_rope, family_rotation, no_rotation
+from hf_attnscale.core.call.rope import ROPE_FUNCTION, RotateFn, family_rope, family_rotation, no_rotation
 from hf_attnscale.core.call.state import state_of
 from hf_attnscale.core.install.families import attention_modules, takes_position_embeddings
 from hf_attnscale.core.install.installed import get_config
@@ -112,7 +112,7 @@ class LayerSpec:
     """What the steps of one attention module need: the family's rotation over its rotary dims (none on NoPE
     layers), the RoPE table of its layer type, and what its layer holds and reads."""
 
-    rope: RopeFn
+    rope: RotateFn
     table: RopeTable
     geometry: LayerGeometry
 

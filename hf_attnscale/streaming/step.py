@@ -23,7 +23,7 @@ from transformers.cache_utils import Cache
 
 from hf_attnscale.core.call.hooks import CallHooks
 from hf_attnscale.core.call.masks import visible_entries
-from hf_attnscale.core.call.rope import CosSin, RopeFn
+from hf_attnscale.core.call.rope import CosSin, RotateFn
 from hf_attnscale.core.install.routing import cache_argument, forward_with_hooks
 
 from .plan import Rotations, SlotRecord, StepPlan, build_plan, decode_plan
@@ -40,7 +40,7 @@ class PendingUpdate(NamedTuple):
     layer_idx: int
     plan: StepPlan
     rotations: Rotations
-    rope: RopeFn
+    rope: RotateFn
 
 
 @dataclass
@@ -163,7 +163,7 @@ def new_token_validity(
 
 
 def _sink_channel_hooks(
-    rope: RopeFn, rotations: Rotations, sink_keys: Callable[[], torch.Tensor]
+    rope: RotateFn, rotations: Rotations, sink_keys: Callable[[], torch.Tensor]
 ) -> CallHooks:
     """The hooks of a call with sink channels: each query gets one more channel per sink, holding its logit
     against that sink at the query's sink distance (the query moved to ``m_q``, dotted with the sink as stored;
@@ -171,7 +171,7 @@ def _sink_channel_hooks(
     output's padding is dropped."""
 
     def query(q: torch.Tensor) -> torch.Tensor:
-        moved, sinks = rope(q, q[:, :1], *rotations.query)[0], sink_keys()
+        moved, sinks = rope(q, *rotations.query), sink_keys()
         (batch, heads, length, dim), kv_heads = moved.shape, sinks.shape[1]
         grouped = moved.view(batch, kv_heads, heads // kv_heads, length, dim)
         logits = torch.einsum("bkgtd,bksd->bkgts", grouped, sinks).reshape(batch, heads, length, -1)

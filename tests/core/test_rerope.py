@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import copy
 import gc
+import importlib
 
 import pytest
 import torch
+import transformers
 from conftest import (
     DECODERS,
     GREEDY,
     SHARP_VOCAB,
+    OperatorCount,
     patched_beside_reference,
     sharp_inputs,
     sharp_model,
@@ -214,6 +217,48 @@ def test_the_windows_cos_sin_are_computed_once_and_follow_the_rotary(monkeypatch
     del model, out
     gc.collect()
     assert frequencies not in rope._TABLES
+
+
+@pytest.mark.parametrize("family, halves", [("llama", True), ("cohere", False), ("gemma3n", None)])
+def test_the_family_rotation_turns_one_tensor_as_the_family_does(family, halves):
+    """ReRoPE and a SinkCache turn one tensor at a time: as transformers' usual halves RoPE where the family's
+    pair function gives exactly its bits (no stand-in query to turn beside it); Cohere's interleaved pairs
+    through its own function, beside a one-head stand-in; Gemma-3n's one-tensor function as it is. Each gives
+    the family's own bits, over the rotary part of a partial rotary head."""
+    own = importlib.import_module(f"transformers.models.{family}.modeling_{family}").apply_rotary_pos_emb
+    keys, (cos, sin) = torch.randn(2, 3, 5, 12), (torch.randn(2, 5, 8) for _ in range(2))
+    got = rope.family_rotation(own, 8)(keys, cos, sin)
+    want = (
+        own(keys[..., :8], cos, sin)
+        if halves is None
+        else own(keys[:, :1, :, :8], keys[..., :8], cos, sin)[1]
+    )
+    assert torch.equal(got[..., :8], want) and torch.equal(got[..., 8:], keys[..., 8:])
+    if halves is not None:
+        assert rope._computes_halves(own, 8) is halves
+
+
+@pytest.mark.parametrize("option, per_layer", [("rerope", 13), ("leaky", 39)])
+def test_a_decoding_step_adds_few_operators_per_layer(option, per_layer):
+    """A GPU runs every operator of an eager decoding step as one launch at least, and a small model's step waits
+    on launches. ReRoPE's step adds, per layer, the identity rotation's cos/sin (2), the turns of the query and
+    of the near keys (5 each) and the keys' concatenation (1); leaky ReRoPE also computes the near and far keys'
+    cos/sin and turns the far keys."""
+
+    def step_operators(layers: int, **options) -> int:
+        model = sharp_model("llama", num_hidden_layers=layers)
+        if options:
+            hfa.patch(model, **options)
+        ids = sharp_inputs(batch=1, padded=False)["input_ids"]
+        with torch.no_grad():
+            cache = transformers.DynamicCache(config=model.config)
+            model(input_ids=ids, past_key_values=cache)
+            with OperatorCount() as counted:
+                model(input_ids=ids[:, :1], past_key_values=cache, logits_to_keep=1)
+        return counted.operators
+
+    added = [step_operators(layers, **OPTIONS[option]) - step_operators(layers) for layers in (1, 2)]
+    assert added[1] - added[0] <= per_layer, added
 
 
 def test_a_table_made_under_inference_mode_serves_training():

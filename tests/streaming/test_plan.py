@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from hf_attnscale.core.call.rope import rotate as rotate_keys
+from hf_attnscale.core.call.rope import family_rotation
 from hf_attnscale.streaming.plan import LayerGeometry, SlotRecord, build_plan, decode_plan
 from hf_attnscale.streaming.rope import RopeTable, rotation_basis
 
@@ -88,12 +88,11 @@ def test_rope_table_computes_the_models_own_angles_in_float64():
 def test_rotation_basis_gives_the_familys_rotation_bitwise():
     keys = torch.randn(2, 3, 4, 8)
     cos_sin = tuple(f(torch.rand(2, 4, 8) * 6) for f in (torch.cos, torch.sin))
-    a, b = rotation_basis(apply_rotary_pos_emb, keys, cos_sin)
+    rotate = family_rotation(apply_rotary_pos_emb, 8)
+    a, b = rotation_basis(rotate, keys, cos_sin)
     other = tuple(f(torch.rand(2, 4, 8) * 6) for f in (torch.cos, torch.sin))
-    assert torch.equal(
-        a * other[0].unsqueeze(1) + b * other[1].unsqueeze(1), rotate_keys(apply_rotary_pos_emb, keys, other)
-    )
+    assert torch.equal(a * other[0].unsqueeze(1) + b * other[1].unsqueeze(1), rotate(keys, *other))
     # A rotation of another form (here: not linear in cos) has no basis, and keeps the usual path.
     squared = lambda q, k, cos, sin: apply_rotary_pos_emb(q, k, cos * cos, sin)  # noqa: E731
-    assert rotation_basis(squared, keys, cos_sin) is None
-    assert rotation_basis(apply_rotary_pos_emb, keys, tuple(x[..., :4] for x in cos_sin)) is None  # partial
+    assert rotation_basis(family_rotation(squared, 8), keys, cos_sin) is None
+    assert rotation_basis(rotate, keys, tuple(x[..., :4] for x in cos_sin)) is None  # partial

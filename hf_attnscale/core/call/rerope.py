@@ -32,7 +32,7 @@ import torch
 from hf_attnscale.core.call.flex_parts import Band, BandsFn
 from hf_attnscale.core.call.key_parts import KeyPart, PartsFn
 from hf_attnscale.core.call.masks import visible_entries
-from hf_attnscale.core.call.rope import CosSin, RopeFn, RotaryFrequencies, rotate
+from hf_attnscale.core.call.rope import CosSin, RotaryFrequencies, RotateFn
 
 MASK_CHUNK = 2**24
 """Mask entries per chunk call (queries × keys): 64 MiB of a float32 mask, 1,024 queries at 16k keys."""
@@ -52,7 +52,7 @@ class ReRoPECall:
 
     window: int
     leak: float | None
-    rope: RopeFn
+    rope: RotateFn
     frequencies: RotaryFrequencies
     own: CosSin
 
@@ -75,26 +75,26 @@ def rerope_attention(
     q_len, k_len, dtype = query.shape[2], key.shape[2], query.dtype
     past, window = k_len - q_len, call.window
     device = query.device
-    positions = torch.arange(k_len, device=device)[None]
     if q_len == 1:
-        return _decode(attend, call, query, key, value, mask, sliding_window, positions)
+        return _decode(attend, call, query, key, value, mask, sliding_window)
+    positions = torch.arange(k_len, device=device)[None]
     # the first key rotated as near: for the chunks, the first near to any query; the bands take them all
     lowest = 0 if bands is not None else max(0, past - window + 1)
     if past == 0 and call.own[0].shape[-2] == k_len:
         near_cos_sin = call.own  # the model's own, for its prefill
     else:
         near_cos_sin = call.frequencies.cos_sin(positions[:, lowest:], dtype)
-    near_q = rotate(call.rope, query, tuple(t[:, past - lowest :] for t in near_cos_sin))
-    near_k = rotate(call.rope, key[:, :, lowest:], near_cos_sin)
+    near_q = call.rope(query, *(t[:, past - lowest :] for t in near_cos_sin))
+    near_k = call.rope(key[:, :, lowest:], *near_cos_sin)
     if call.leak is not None:
         shifted = positions[:, past:] + window * (call.leak - 1)
-        far_q = rotate(call.rope, query, call.frequencies.cos_sin(shifted, dtype, call.leak))
-        far_k = rotate(call.rope, key, call.frequencies.cos_sin(positions, dtype, call.leak))
+        far_q = call.rope(query, *call.frequencies.cos_sin(shifted, dtype, call.leak))
+        far_k = call.rope(key, *call.frequencies.cos_sin(positions, dtype, call.leak))
     else:
         table = call.frequencies.at_distances(window + 1, dtype, device)
-        far_q = rotate(call.rope, query, _rows(table, window, window + 1))
+        far_q = call.rope(query, *_rows(table, window, window + 1))
         unscaled = call.frequencies.scaling == 1.0
-        far_k = key if unscaled else rotate(call.rope, key, _rows(table, 0, 1))
+        far_k = key if unscaled else call.rope(key, *_rows(table, 0, 1))
     if bands is not None:
         limit = min(sliding_window or k_len, k_len)  # every distance seen is below it
         parts = [Band(near_q, near_k, value, 0, min(window, limit))]
@@ -136,9 +136,7 @@ def rerope_attention(
     return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0].contiguous()
 
 
-def _decode(
-    attend: PartsFn, call: ReRoPECall, query, key, value, mask, sliding_window, positions
-) -> torch.Tensor:
+def _decode(attend: PartsFn, call: ReRoPECall, query, key, value, mask, sliding_window) -> torch.Tensor:
     """One query (a decoding step, at position i = the cache's last), one backend call at the model's own head
     dim, on the keys in their order, values untouched. The query is turned to the window, ``R(w) q``, so a far
     key is scored as it is stored (``(R(w) q) · k``) and only the w near keys turn, by ``j − i + w``
@@ -150,20 +148,22 @@ def _decode(
     at = call.frequencies.cos_sin
     table = call.frequencies.at_distances(window + 1, dtype, query.device)
     if call.leak is None:
-        query = rotate(call.rope, query, _rows(table, window, window + 1))
-        near = rotate(call.rope, key[:, :, far_end:], _rows(table, far_end - i + window, window + 1))
+        query = call.rope(query, *_rows(table, window, window + 1))
+        near = call.rope(key[:, :, far_end:], *_rows(table, far_end - i + window, window + 1))
         far = key[:, :, :far_end]
         if call.frequencies.scaling != 1.0:  # the attention scaling YaRN folds into cos/sin, on far keys too
-            far = rotate(call.rope, far, _rows(table, 0, 1))
+            far = call.rope(far, *_rows(table, 0, 1))
     else:
-        query = rotate(call.rope, query, _rows(table, 0, 1))  # the attention scaling only
-        near = rotate(call.rope, key[:, :, far_end:], at(positions[:, far_end:] - i, dtype))
+        positions = torch.arange(k_len, device=query.device)[None]
+        query = call.rope(query, *_rows(table, 0, 1))  # the attention scaling only
+        near = call.rope(key[:, :, far_end:], *at(positions[:, far_end:] - i, dtype))
         leaky = at(positions[:, :far_end] - i - window * (call.leak - 1), dtype, call.leak)
-        far = rotate(call.rope, key[:, :, :far_end], leaky)
+        far = call.rope(key[:, :, :far_end], *leaky)
     keys = torch.cat([far, near], dim=2)
     shown = None  # no mask where the model passed none: the backend takes grouped heads as they are
     if mask is not None or sliding_window:
-        shown = _visible(mask, 0, 1, k_len, positions[:, -1:].view(1, 1), sliding_window, query.device)
+        at_i = torch.arange(i, k_len, device=query.device)[:, None]
+        shown = _visible(mask, 0, 1, k_len, at_i, sliding_window, query.device)
     return attend([KeyPart(query, keys, value, shown)])
 
 

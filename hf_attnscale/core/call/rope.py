@@ -22,8 +22,9 @@ from torch import nn
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 """RoPE's cos and sin, ``(B, n, rotary_dim)`` each."""
-RopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-"""A family's ``apply_rotary_pos_emb(q, k, cos, sin)``."""
+RotateFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""A rotation ``(x, cos, sin) -> x`` of ``x`` ``(B, H, n, D)`` by cos/sin ``(B, n, rotary_dim)`` over its rotary
+dims, as its family rotates (`family_rotation`)."""
 ROPE_FUNCTION = "apply_rotary_pos_emb"
 """The name under which an attention forward calls its family's RoPE."""
 
@@ -45,30 +46,72 @@ def rotary_output(
 
 
 @functools.cache  # built per layer and call under ReRoPE: reading the signature each time costs more than it
-def family_rotation(rope: Callable[..., Any], width: int) -> RopeFn:
-    """The family's RoPE as ``(q, k, cos, sin)`` over the first ``width`` dims of each head, the rest passed
-    through: Gemma-3n/4 rotate one tensor at a time, ``(x, cos, sin)``; Phi, Persimmon, StableLM and GPT-NeoX
-    slice their partial rotary part off before they call theirs."""
-    one_tensor = next(iter(inspect.signature(rope).parameters)) == "x"
+def family_rotation(rope: Callable[..., Any], width: int) -> RotateFn:
+    """The family's RoPE ``rope`` as a `RotateFn` over the first ``width`` dims of each head, the rest passed
+    through (Phi, Persimmon, StableLM and GPT-NeoX slice their partial rotary part off before they call theirs).
 
-    def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        if q.shape[-1] != width or k.shape[-1] != width:
-            q_rot, k_rot = apply(q[..., :width], k[..., :width], cos, sin)
-            return torch.cat([q_rot, q[..., width:]], dim=-1), torch.cat([k_rot, k[..., width:]], dim=-1)
-        return (rope(q, cos, sin), rope(k, cos, sin)) if one_tensor else rope(q, k, cos, sin)
+    Gemma-3n/4 rotate one tensor at a time, ``(x, cos, sin)``. The others rotate a pair ``(q, k, cos, sin)``:
+    where that is transformers' usual ``x·cos + rotate_half(x)·sin``, checked bitwise, it runs as
+    `halves_rotation` on the one tensor; otherwise (an interleaved layout, an upcast) the family's function
+    turns it as its ``k``, beside a one-head stand-in for ``q`` (wasting 1/H of the work). A compiled graph
+    takes the second way, which it fuses, rather than run the check."""
+    if next(iter(inspect.signature(rope).parameters)) == "x":
+        turn = rope
+    elif not torch.compiler.is_compiling() and _computes_halves(rope, width):
+        turn = halves_rotation
+    else:
+
+        def turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            return rope(x[:, :1], x, cos, sin)[1]
+
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != width:
+            return torch.cat([turn(x[..., :width], cos, sin), x[..., width:]], dim=-1)
+        return turn(x, cos, sin)
 
     return apply
 
 
-def no_rotation(q, k, cos, sin, *args, **kwargs):
+def halves_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in the halves layout, ``x·cos + rotate_half(x)·sin`` with cos/sin broadcast over heads, in the order
+    of operations of transformers' ``apply_rotary_pos_emb`` (so that it gives the same bits)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _computes_halves(rope: Callable[..., Any], width: int) -> bool:
+    """Whether the pair rotation ``rope`` gives exactly `halves_rotation`'s bits, on random q, k (two heads and
+    one), cos and sin, in float32 and bfloat16."""
+    if width % 2:
+        return False
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k = (torch.randn(1, heads, 3, width, generator=generator).to(dtype) for heads in (2, 1))
+        cos, sin = (torch.randn(1, 3, width, generator=generator).to(dtype) for _ in range(2))
+        try:
+            got = rope(q, k, cos, sin)
+        except Exception:
+            return False
+        want = (halves_rotation(q, cos, sin), halves_rotation(k, cos, sin))
+        if (
+            not isinstance(got, tuple)
+            or len(got) != 2
+            or not all(
+                isinstance(g, torch.Tensor)
+                and g.shape == w.shape
+                and g.dtype == w.dtype
+                and torch.equal(g, w)
+                for g, w in zip(got, want)
+            )
+        ):
+            return False
+    return True
+
+
+def no_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """For layers that use no RoPE (Cohere-2's global layers, SmolLM3's NoPE layers): positions do nothing."""
-    return q, k
-
-
-def rotate(rope: RopeFn, x: torch.Tensor, cos_sin: CosSin) -> torch.Tensor:
-    """``x`` ``(B, H, n, D)`` rotated by the family's own function (its partial rotary, its layout)."""
-    # The family's function rotates a (q, k) pair; a one-head stand-in for q keeps the wasted work to 1/H.
-    return rope(x[:, :1], x, *cos_sin)[1]
+    return x
 
 
 @dataclass(frozen=True)
