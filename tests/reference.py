@@ -114,19 +114,40 @@ def reference_attention(
     return (out, probs[..., : k.shape[2]].to(q.dtype)) if with_weights else out
 
 
-def rotated(x, angle_steps, inv_freq, scale):
+ROPE_LAYOUTS = {
+    "glm": "interleaved",
+    "glm4": "interleaved",
+    "ernie4_5": "interleaved",
+    "helium": "interleaved",
+}
+ROPE_LAYOUTS |= {"ernie4_5_moe": "interleaved", "nanochat": "reversed"}
+"""Families whose ``apply_rotary_pos_emb`` pairs dims other than in halves, read off transformers' code: GLM's
+layout pairs dims 2c and 2c + 1 (at frequency c); NanoChat's ``rotate_half`` turns the other way."""
+
+
+def rotated(x, angle_steps, inv_freq, scale, layout="halves"):
     """RoPE straight from its definition: the first ``2·len(inv_freq)`` dims of ``x`` (..., D) turned by
-    ``angle_steps · inv_freq`` in halves (pair c is dims c and c + half), times ``scale``; the rest as they are."""
+    ``angle_steps · inv_freq``, pair c being dims c and c + half ("halves"; "reversed": turned the other way) or
+    dims 2c and 2c + 1 ("interleaved"), times ``scale``; the rest as they are."""
     half = inv_freq.shape[0]
     angle = angle_steps.to(torch.float64)[..., None] * inv_freq.to(torch.float64)
-    cos, sin = angle.cos(), angle.sin()
+    cos, sin = angle.cos(), angle.sin() * (-1 if layout == "reversed" else 1)
     x = x.to(torch.float64)
-    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    rotary, rest = x[..., : 2 * half], x[..., 2 * half :]
+    if layout == "interleaved":
+        x1, x2 = rotary[..., 0::2], rotary[..., 1::2]
+    else:
+        x1, x2 = rotary[..., :half], rotary[..., half:]
     first, second = (x1 * cos - x2 * sin) * scale, (x2 * cos + x1 * sin) * scale
-    return torch.cat([first, second, rest.expand(*first.shape[:-1], rest.shape[-1])], dim=-1)
+    pairs = (
+        torch.stack([first, second], -1).flatten(-2)
+        if layout == "interleaved"
+        else torch.cat([first, second], -1)
+    )
+    return torch.cat([pairs, rest.expand(*pairs.shape[:-1], rest.shape[-1])], dim=-1)
 
 
-def rerope_logits(q, k, window, leak, inv_freq, scale):
+def rerope_logits(q, k, window, leak, inv_freq, scale, layout="halves"):
     """ReRoPE's scores (B,H,Tq,Tk) from raw ``q`` (B,H,Tq,D) and ``k`` (B,Hkv,Tk,D), the queries the last Tq
     positions: each pair at its distance d = i - j, clamped to ``window`` (leaky: ``window + (d - window) /
     leak``), as ``R(d') q · k``, pair by pair."""
@@ -139,9 +160,9 @@ def rerope_logits(q, k, window, leak, inv_freq, scale):
     distance = torch.where(d < window, d, far)  # (Tq, Tk)
     out = torch.empty(q.shape[0], heads, q_len, k_len, dtype=torch.float64, device=q.device)
     # R(0): the scale on the rotary dims only.
-    k_scaled = rotated(k, torch.zeros((), device=q.device), inv_freq, scale)
+    k_scaled = rotated(k, torch.zeros((), device=q.device), inv_freq, scale, layout)
     for row in range(q_len):
-        q_turned = rotated(q[:, :, row : row + 1], distance[row], inv_freq, scale)  # (B,H,Tk,D)
+        q_turned = rotated(q[:, :, row : row + 1], distance[row], inv_freq, scale, layout)  # (B,H,Tk,D)
         out[:, :, row] = (q_turned * k_scaled).sum(-1)
     return out
 
@@ -273,19 +294,20 @@ def make_reference(model, attention_classes, **patch_kwargs):
     queries themselves (``q.shape[1]``); a per-head parameter of another size (but one, which broadcasts) fails
     there. A copy of the lookup here would only have to follow the package's list of field names by hand."""
     model.config._attn_implementation = REF_NAME
-    refs = []
+    refs, layers = [], []
     for module in model.modules():
         if type(module).__name__ in attention_classes:
             module.hfa_ref = ReferencePatch(heads=query_heads(module, model.config), **patch_kwargs)
             if module.hfa_ref.gate is not None:
                 module.register_forward_pre_hook(_remember_input, with_kwargs=True)
             refs.append(module.hfa_ref)
+            layers.append(getattr(module, "layer_idx", len(layers)))
     if patch_kwargs.get("rerope_window"):
-        _raw_rope(model, refs)
+        _raw_rope(model, refs, layers)
     return refs
 
 
-def _raw_rope(model, refs) -> None:
+def _raw_rope(model, refs, layers) -> None:
     """ReRoPE's reference: the model's rotary returns the identity, so every attention call gets raw q and k,
     and each layer's reference holds the real frequencies to rotate them by clamped distances. A layer that
     applies no RoPE (``rotates[layer]`` False, from `applies_rope_layers`) keeps plain scores."""
@@ -296,11 +318,12 @@ def _raw_rope(model, refs) -> None:
     layer_types = getattr(model.config.get_text_config(), "layer_types", None)
     takes_type = "layer_type" in inspect.signature(own_forward).parameters
     rotates = applies_rope_layers(model)
-    for index, ref in enumerate(refs):
+    for index, ref in zip(layers, refs):  # by decoder layer: hybrids have layers without attention
         if not rotates[index]:
             continue
         prefix = f"{layer_types[index]}_" if takes_type and layer_types else ""
-        ref.rerope_rope = functools.partial(_frequencies_now, rotary, prefix)
+        layout = ROPE_LAYOUTS.get(model.config.get_text_config().model_type, "halves")
+        ref.rerope_rope = functools.partial(_frequencies_now, rotary, prefix, layout)
 
     def identity(x, position_ids, *args, **kwargs):
         cos, _ = own_forward(x, position_ids, *args, **kwargs)
@@ -309,11 +332,11 @@ def _raw_rope(model, refs) -> None:
     rotary.forward = identity
 
 
-def _frequencies_now(rotary, prefix):
-    """(inv_freq, attention scaling) of ``rotary`` as of this call (a dynamic rope type changes them)."""
+def _frequencies_now(rotary, prefix, layout):
+    """(inv_freq, attention scaling, layout) of ``rotary`` as of this call (a dynamic rope type changes them)."""
     inv_freq = getattr(rotary, f"{prefix}inv_freq").detach().clone()
     scale = getattr(rotary, f"{prefix}attention_scaling", getattr(rotary, "attention_scaling", 1.0))
-    return inv_freq, float(scale)
+    return inv_freq, float(scale), layout
 
 
 def applies_rope_layers(model) -> list[bool]:

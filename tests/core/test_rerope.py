@@ -24,7 +24,7 @@ from conftest import (
     watch_flex_bands,
     watch_fused_parts,
 )
-from model_zoo import zoo_model
+from model_zoo import EAGER_ONLY, LOGIT_TOLERANCE, family_types, head_of, zoo_model
 
 import hf_attnscale as hfa
 from hf_attnscale.core.call import key_parts, rope
@@ -100,6 +100,27 @@ def test_matches_reference(model_type, option, attn):
     with torch.no_grad():
         plain = patched(**sharp_inputs()).logits[sharp_inputs()["attention_mask"].bool()]
     assert (plain - got).abs().max() > 1e-3, "ReRoPE changed nothing"
+
+
+@pytest.mark.parametrize("model_type", [t for t in family_types() if head_of(t) == "causal"])
+def test_every_decoder_is_served_exactly_or_refused_in_one_line(model_type):
+    """Each decoder type the package supports: ReRoPE + logn equals the reference and changes the logits, or
+    the patch refuses it in one line, the model unchanged (no RoPE, latent attention, a rotation of its own)."""
+    model = zoo_model(model_type, "eager" if model_type in EAGER_ONLY else "sdpa")
+    before = copy.deepcopy(model)
+    try:
+        patched, reference = patched_beside_reference(model, OPTIONS["rerope+logn"])
+    except ValueError as error:
+        assert str(error).startswith("rerope_window") and "\n" not in str(error), error
+        assert_unchanged(model, before)
+        return
+    inputs = sharp_inputs(vocab=min(patched.config.get_text_config().vocab_size, 100))
+    rows = inputs["attention_mask"].bool()
+    with torch.no_grad():
+        got, want, unchanged = (each(**inputs).logits[rows] for each in (patched, reference, before))
+    atol = LOGIT_TOLERANCE.get(model_type, 1e-4)  # logits, as the family tests compare them
+    torch.testing.assert_close(got, want, atol=atol, rtol=1e-4)
+    assert (unchanged - got).abs().max() > 1e-3, "ReRoPE changed nothing"
 
 
 @pytest.mark.parametrize("option", ["rerope", "leaky"])
