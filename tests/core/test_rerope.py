@@ -430,6 +430,24 @@ def test_a_sink_cache_refuses_rerope():
     assert "\n" not in str(error.value)
 
 
+def test_a_static_cache_or_a_backend_switched_to_after_the_patch_is_refused():
+    """A static cache hands attention its whole buffer, padding slots included, and flex or flash take no dense
+    mask of near and far keys: each call says so in one line (a backend may be switched after the patch)."""
+    from transformers import StaticCache
+
+    model = hfa.patch(sharp_model(), rerope_window=8)
+    ids = torch.randint(3, SHARP_VOCAB, (1, 6))
+    with pytest.raises(ValueError, match="rerope_window: a static cache") as error:
+        model(ids, past_key_values=StaticCache(config=model.config, max_cache_len=16))
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match="rerope_window: a static cache"):
+        model.generate(ids, max_new_tokens=2, cache_implementation="static", **GREEDY)
+    model.set_attn_implementation("flex_attention")
+    with pytest.raises(ValueError, match=r"ReRoPE .* needs eager or sdpa attention") as error:
+        model(ids)
+    assert "\n" not in str(error.value)
+
+
 def test_unpatch_restores_the_model():
     model = sharp_model()
     plain = copy.deepcopy(model)

@@ -29,10 +29,21 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_attnscale.core.call.backends import check_backend
 from hf_attnscale.core.call.flex_parts import Band, BandsFn
 from hf_attnscale.core.call.key_parts import KeyPart, PartsFn
 from hf_attnscale.core.call.masks import visible_entries
 from hf_attnscale.core.call.rope import CosSin, RotaryFrequencies, RotateFn
+
+BACKENDS = ("eager", "sdpa")
+"""The backends ReRoPE runs on: it shows each key near or far by a dense mask."""
+
+
+def check_rerope_backend(backend: str | None) -> None:
+    """Refuse, in one line, a backend ReRoPE cannot run on (checked when patching and at every call, as
+    ``set_attn_implementation`` may switch it in between)."""
+    check_backend(backend, BACKENDS, "ReRoPE (it shows each key near or far by a dense mask)")
+
 
 MASK_CHUNK = 2**24
 """Mask entries per chunk call (queries × keys): 64 MiB of a float32 mask, 1,024 queries at 16k keys."""

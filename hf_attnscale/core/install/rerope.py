@@ -7,12 +7,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hf_attnscale.core.call.backends import check_backend
+from hf_attnscale.core.call.rerope import check_rerope_backend
 from hf_attnscale.core.call.rope import ROPE_FUNCTION, RotaryFrequencies, family_rope
 from hf_attnscale.core.install.families import Rotary
 from hf_attnscale.core.install.routing import applies_rope
-
-RERoPE_BACKENDS = ("eager", "sdpa")
 
 
 def rerope_rotaries(
@@ -21,11 +19,7 @@ def rerope_rotaries(
     """``rotaries`` (each module's rotary embedding) with None for the layers that apply no RoPE; raises
     ValueError, saying why, where ReRoPE cannot serve the model."""
     name = f"{type(root).__name__} (model_type {root.config.model_type!r})"
-    check_backend(
-        root.config._attn_implementation,
-        RERoPE_BACKENDS,
-        "ReRoPE (it shows each key near or far by a dense mask)",
-    )
+    check_rerope_backend(root.config._attn_implementation)
     if not all(getattr(m, "is_causal", True) for m in modules):
         raise ValueError(
             f"rerope_window: {name} is an encoder; ReRoPE is for RoPE decoders (an encoder's keys lie on both "

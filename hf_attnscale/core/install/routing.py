@@ -30,10 +30,11 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import DynamicCache
+from transformers.cache_utils import StaticLayer
 
 from hf_attnscale.core.call.gate import gate_input
 from hf_attnscale.core.call.hooks import HOOKS_KWARG, CallHooks, ambient_hooks, using_hooks
-from hf_attnscale.core.call.rerope import ReRoPECall
+from hf_attnscale.core.call.rerope import ReRoPECall, check_rerope_backend
 from hf_attnscale.core.call.rope import RotaryFrequencies, family_rope, family_rotation
 from hf_attnscale.core.call.state import state_of
 from hf_attnscale.core.install.families import Rotary
@@ -90,6 +91,14 @@ def cache_routed_forward(self: nn.Module, *args, **kwargs):
 
 def _rerope_forward(self: nn.Module, config: Any, position_embeddings: Any, **kwargs: Any):
     """The class's forward under the identity rotation, its attention call given `ReRoPECall` hooks."""
+    check_rerope_backend(self.config.model_config._attn_implementation)
+    cache = next((kwargs[name] for name in CACHE_ARGUMENTS if kwargs.get(name) is not None), None)
+    layers, index = getattr(cache, "layers", ()), getattr(self, "layer_idx", None)
+    if index is not None and index < len(layers) and isinstance(layers[index], StaticLayer):
+        raise ValueError(
+            "rerope_window: a static cache (StaticCache, cache_implementation='static') hands attention its "
+            "whole buffer, so ReRoPE cannot tell how far each key is; decode with a DynamicCache (the default)."
+        )
     cos, sin = position_embeddings
     rotary, layer_type = rotary_of(self)
     call = ReRoPECall(
