@@ -291,11 +291,12 @@ def test_a_table_made_under_inference_mode_serves_training():
     assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("sliding", [6, 3])
 @pytest.mark.parametrize("attn", FORWARD_ATTNS, indirect=True)
-def test_a_sliding_window_within_the_input(attn):
-    """Mistral's sliding window (6 keys, shorter than the 16 tokens) under ReRoPE's window of 4, on unpadded
-    rows: the whole forward and each decoding step against the reference."""
-    model = sharp_model("mistral", attn, sliding_window=6)
+def test_a_sliding_window_within_the_input(attn, sliding):
+    """Mistral's sliding window (6 keys, or 3: within ReRoPE's window of 4, so no key is ever far; both shorter
+    than the 16 tokens), on unpadded rows: the whole forward and each decoding step against the reference."""
+    model = sharp_model("mistral", attn, sliding_window=sliding)
     patched, reference = patched_beside_reference(model, OPTIONS["rerope"])
     inputs = sharp_inputs(padded=False)
     _assert_matches(patched, reference, inputs)

@@ -124,8 +124,11 @@ def rerope_attention(
     for start in range(0, q_len, rows):
         stop = min(q_len, start + rows)
         first, last = past + start, past + stop - 1  # the chunk's query positions
-        far_end = max(0, min(k_len, last - window + 1))  # keys [0, far_end) may be far for some query
-        near_start, near_end = max(0, first - window + 1), last + 1  # near keys, up to the causal edge
+        # keys [far_start, far_end) may be far for some query, [near_start, near_end) near (to the causal
+        # edge); none further back than a sliding window reaches
+        reach = sliding_window or k_len
+        far_start, far_end = max(0, first - reach + 1), max(0, last - window + 1)
+        near_start, near_end = max(0, first - min(window, reach) + 1), last + 1
         q_pos = torch.arange(first, last + 1, device=device)[:, None]
         visible = _visible(mask, start, stop, k_len, q_pos, sliding_window, device)
         near_keys = torch.arange(near_start, near_end, device=device)
@@ -137,12 +140,11 @@ def rerope_attention(
                 visible[..., near_start:near_end] & (q_pos - near_keys < window),
             )
         ]
-        if far_end:
-            far_keys = torch.arange(far_end, device=device)
-            far_visible = visible[..., :far_end] & (q_pos - far_keys >= window)
-            parts.insert(
-                0, KeyPart(far_q[:, :, start:stop], far_k[:, :, :far_end], value[:, :, :far_end], far_visible)
-            )
+        if far_end > far_start:
+            far_keys = torch.arange(far_start, far_end, device=device)
+            far = slice(far_start, far_end)
+            far_visible = visible[..., far] & (q_pos - far_keys >= window)
+            parts.insert(0, KeyPart(far_q[:, :, start:stop], far_k[:, :, far], value[:, :, far], far_visible))
         outs.append(attend(parts))
     return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0].contiguous()
 
