@@ -259,12 +259,11 @@ def test_the_family_rotation_turns_one_tensor_as_the_family_does(family, halves)
         assert rope._computes_halves(own, 8) is halves
 
 
-@pytest.mark.parametrize("option, per_layer", [("rerope", 13), ("leaky", 39)])
+@pytest.mark.parametrize("option, per_layer", [("rerope", 11), ("leaky", 37)])
 def test_a_decoding_step_adds_few_operators_per_layer(option, per_layer):
     """A GPU runs every operator of an eager decoding step as one launch at least, and a small model's step waits
-    on launches. ReRoPE's step adds, per layer, the identity rotation's cos/sin (2), the turns of the query and
-    of the near keys (5 each) and the keys' concatenation (1); leaky ReRoPE also computes the near and far keys'
-    cos/sin and turns the far keys."""
+    on launches. ReRoPE's step adds, per layer, the turns of the query and of the near keys (5 each) and the
+    keys' concatenation (1); leaky ReRoPE also computes the near and far keys' cos/sin and turns the far keys."""
 
     def step_operators(layers: int, **options) -> int:
         model = sharp_model("llama", num_hidden_layers=layers)

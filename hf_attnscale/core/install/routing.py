@@ -108,9 +108,20 @@ def _rerope_forward(self: nn.Module, config: Any, position_embeddings: Any, **kw
         frequencies=RotaryFrequencies.of(rotary, layer_type),
         own=(cos, sin),
     )
-    identity = (torch.ones_like(cos), torch.zeros_like(sin))
+    one, zero = _identity(cos.dtype, cos.device)
+    identity = (one.expand_as(cos), zero.expand_as(sin))  # views: no operator in any layer
     hooks = CallHooks(rerope=call)
     return forward_with_hooks(self, hooks, called_as_module=True, position_embeddings=identity, **kwargs)
+
+
+@functools.cache
+def _identity(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos = 1 and sin = 0, ``(1, 1, 1)``, to expand to any call's cos/sin: made once, not in every layer of
+    every call (outside inference mode, so that a pair made under it serves training too)."""
+    with torch.inference_mode(False):
+        return torch.ones(1, 1, 1, dtype=dtype, device=device), torch.zeros(
+            1, 1, 1, dtype=dtype, device=device
+        )
 
 
 def applies_rope(module: nn.Module, probe: torch.Tensor, width: int, kwargs: dict[str, Any]) -> bool:
