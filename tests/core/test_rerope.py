@@ -203,7 +203,8 @@ def test_generate_through_the_models_cache_equals_the_whole_forward(attn, option
 @pytest.mark.parametrize("option", ["rerope", "leaky"])
 def test_decoding_with_yarns_attention_scaling_and_no_mask(option):
     """A decoding step turns the query to the window and the near keys only; under YaRN, whose attention scaling
-    rides on cos/sin, the far keys take it too. No attention mask: the step builds none."""
+    s rides on cos/sin, every score still carries s², the far keys' s on the query. No attention mask: the step
+    builds none."""
     model = sharp_model("llama", max_position_embeddings=8, rope_parameters=ROPE_TYPES["yarn"])
     hfa.patch(model, **OPTIONS[option])
     ids = sharp_inputs(batch=1, padded=False)["input_ids"][:, :6]

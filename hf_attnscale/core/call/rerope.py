@@ -164,8 +164,10 @@ def _decode(attend: PartsFn, call: ReRoPECall, query, key, value, mask, sliding_
         query = call.rope(query, *_rows(table, window, window + 1))
         near = call.rope(key[:, :, far_end:], *_rows(table, far_end - i + window, window + 1))
         far = key[:, :, :far_end]
-        if call.frequencies.scaling != 1.0:  # the attention scaling YaRN folds into cos/sin, on far keys too
-            far = call.rope(far, *_rows(table, 0, 1))
+        if (scaling := call.frequencies.scaling) != 1.0:
+            # YaRN's attention scaling s rides on cos/sin, so every score carries s²: the query takes the far
+            # keys' s, and the near keys give theirs back, rather than the far keys all turn by s in every step
+            query, near = query * scaling, near / scaling
     else:
         positions = torch.arange(k_len, device=query.device)[None]
         query = call.rope(query, *_rows(table, 0, 1))  # the attention scaling only
