@@ -52,7 +52,12 @@ SECTIONS: dict[str, Callable[[Context], str]] = {
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "real")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="where tables and figures go (default: experiments/out/real, or its quick/ folder with --quick, so "
+        "that a quick run never stands in for the results)",
+    )
     parser.add_argument(
         "--work", type=Path, default=cache_root() / "experiments", help="where computed numbers are kept"
     )
@@ -70,6 +75,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    results = Path(__file__).parent / "out" / "real"
+    args.out = args.out or (results / "quick" if args.quick else results)
     args.out.mkdir(parents=True, exist_ok=True)
     context = Context(args.out, args.work, tuple(args.models), tuple(args.texts), args.quick, args.kept_only)
     for name in args.only or SECTIONS:

@@ -424,6 +424,25 @@ def test_models_it_cannot_serve_are_refused(build, message):
     assert_unchanged(model, before)
 
 
+def test_a_family_failing_on_the_probe_token_is_refused_in_one_line(monkeypatch):
+    """The patch runs each layer's rotary and the layer itself on a probe token to find its RoPE: where the family's
+    code raises (Gemma-4's layers want their shared keys), any error, in one line, the model unchanged."""
+    model = sharp_model()
+    before = copy.deepcopy(model)
+
+    def fails(*args, **kwargs):
+        raise ValueError("a family's own check\nover two lines")
+
+    monkeypatch.setattr(model.model.rotary_emb, "forward", fails)
+    with pytest.raises(
+        ValueError, match=r"could not be run on a probe token .*a family's own check"
+    ) as error:
+        hfa.patch(model, rerope_window=8)
+    assert "\n" not in str(error.value)
+    monkeypatch.undo()
+    assert_unchanged(model, before)
+
+
 def test_a_sink_cache_refuses_rerope():
     model = hfa.patch(sharp_model(), rerope_window=8)
     with pytest.raises(ValueError, match="already keeps every distance") as error:

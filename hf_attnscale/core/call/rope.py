@@ -87,8 +87,10 @@ def _computes_halves(rope: Callable[..., Any], width: int) -> bool:
         return False
     generator = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
-        q, k = (torch.randn(1, heads, 3, width, generator=generator).to(dtype) for heads in (2, 1))
-        cos, sin = (torch.randn(1, 3, width, generator=generator).to(dtype) for _ in range(2))
+        q, k = (
+            torch.randn(1, heads, 3, width, generator=generator, device="cpu").to(dtype) for heads in (2, 1)
+        )
+        cos, sin = (torch.randn(1, 3, width, generator=generator, device="cpu").to(dtype) for _ in range(2))
         try:
             got = rope(q, k, cos, sin)
         except Exception:

@@ -40,16 +40,7 @@ def rerope_rotaries(
                 f"rerope_window: {type(module).__name__}'s forward does not rotate by its family's "
                 f"{ROPE_FUNCTION}(q, k, cos, sin), through which ReRoPE rotates by clamped distances."
             )
-        try:
-            found.append(rotary if _rotates(root, module, rotary) else None)
-        except ValueError:
-            raise
-        except Exception as error:  # the family's own code, run on a probe, failed: say how
-            raise ValueError(
-                f"rerope_window: {type(module).__name__} could not be run on a probe token to find its RoPE "
-                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'no message'}); "
-                "ReRoPE cannot serve it. Use the scale options alone."
-            ) from error
+        found.append(rotary if _rotates(root, module, rotary) else None)
     if all(r is None for r in found):
         raise ValueError(
             f"rerope_window: no layer of {name} rotates its keys' first dims by its RoPE (multi-head latent "
@@ -59,19 +50,28 @@ def rerope_rotaries(
 
 
 def _rotates(root: nn.Module, module: nn.Module, rotary: Rotary) -> bool:
-    """Whether ``module`` applies RoPE (NoPE layers do not); raises ValueError where its rotary does not compute
-    cos/sin in the usual way."""
+    """Whether ``module`` applies RoPE (NoPE layers do not), found by running its rotary and the module itself on
+    a probe token; raises ValueError, in one line, where its rotary does not compute cos/sin in the usual way or
+    the family's code fails on the probe."""
     weight = next(module.parameters())
     like = torch.zeros(
         1, 1, root.config.get_text_config().hidden_size, dtype=weight.dtype, device=weight.device
     )
-    frequencies = RotaryFrequencies.checked(*rotary, like)
+    probe = torch.randn(like.shape, generator=torch.Generator().manual_seed(0), device="cpu").to(like)
+    position = {"position_ids": torch.zeros(1, 1, dtype=torch.long, device=like.device)}
+    try:
+        frequencies = RotaryFrequencies.checked(*rotary, like)
+        width = None if frequencies is None else frequencies.inv_freq.shape[-1] * 2
+        rotates = width is not None and applies_rope(module, probe, width, position)
+    except Exception as error:  # the family's own code, run on a probe, failed: say how, in one line
+        reason = str(error).splitlines()[0] if str(error) else "no message"
+        raise ValueError(
+            f"rerope_window: {type(module).__name__} could not be run on a probe token to find its RoPE "
+            f"({type(error).__name__}: {reason}); ReRoPE cannot serve it. Use the scale options alone."
+        ) from error
     if frequencies is None:
         raise ValueError(
             f"rerope_window: {type(rotary[0]).__name__} does not compute cos/sin from inv_freq in the usual "
             "layout (complex frequencies, or its own), so ReRoPE cannot rotate by clamped distances."
         )
-    width = frequencies.inv_freq.shape[-1] * 2
-    probe = torch.randn(like.shape, generator=torch.Generator().manual_seed(0)).to(like)
-    position = {"position_ids": torch.zeros(1, 1, dtype=torch.long, device=like.device)}
-    return applies_rope(module, probe, width, position)
+    return rotates
