@@ -91,10 +91,8 @@ def rerope_attention(
     positions = torch.arange(k_len, device=device)[None]
     # the first key rotated as near: for the chunks, the first near to any query; the bands take them all
     lowest = 0 if bands is not None else max(0, past - window + 1)
-    if past == 0 and call.own[0].shape[-2] == k_len:
-        near_cos_sin = call.own  # the model's own, for its prefill
-    else:
-        near_cos_sin = call.frequencies.cos_sin(positions[:, lowest:], dtype)
+    # a prefill takes the model's own cos/sin; a call onto a cache, the frequencies' from its first near key
+    near_cos_sin = call.own if past == 0 else call.frequencies.cos_sin(positions[:, lowest:], dtype)
     near_q = call.rope(query, *(t[:, past - lowest :] for t in near_cos_sin))
     near_k = call.rope(key[:, :, lowest:], *near_cos_sin)
     if call.leak is not None:

@@ -95,19 +95,16 @@ def _computes_halves(rope: Callable[..., Any], width: int) -> bool:
             got = rope(q, k, cos, sin)
         except Exception:
             return False
-        want = (halves_rotation(q, cos, sin), halves_rotation(k, cos, sin))
-        if (
-            not isinstance(got, tuple)
-            or len(got) != 2
-            or not all(
+        if not (isinstance(got, tuple) and len(got) == 2):
+            return False
+        for g, w in zip(got, (halves_rotation(q, cos, sin), halves_rotation(k, cos, sin))):
+            if not (
                 isinstance(g, torch.Tensor)
                 and g.shape == w.shape
                 and g.dtype == w.dtype
                 and torch.equal(g, w)
-                for g, w in zip(got, want)
-            )
-        ):
-            return False
+            ):
+                return False
     return True
 
 
