@@ -10,7 +10,6 @@ every layer of every ReRoPE decoding step reads, are made once per frequencies (
 
 from __future__ import annotations
 
-import functools
 import inspect
 import weakref
 from collections.abc import Callable
@@ -19,6 +18,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from hf_attnscale.core.call.memo import memoize
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 """RoPE's cos and sin, ``(B, n, rotary_dim)`` each."""
@@ -45,7 +46,7 @@ def rotary_output(
     return rotary(like, positions) if layer_type is None else rotary(like, positions, layer_type)
 
 
-@functools.cache  # built per layer and call under ReRoPE: reading the signature each time costs more than it
+@memoize  # built per layer and call under ReRoPE: reading the signature each time costs more than it
 def family_rotation(rope: Callable[..., Any], width: int) -> RotateFn:
     """The family's RoPE ``rope`` as a `RotateFn` over the first ``width`` dims of each head, the rest passed
     through (Phi, Persimmon, StableLM and GPT-NeoX slice their partial rotary part off before they call theirs).
