@@ -294,6 +294,7 @@ def gemma3_with_local_window(checkpoints, window: int) -> torch.nn.Module:
     return hfa.patch(model)
 
 
+@pytest.mark.slow
 def test_gemma3_streams_past_its_local_window_as_defined(checkpoints, decoders):
     """Gemma-3's window narrowed to 16 under a SinkCache(4, 28): token by token equals the definition (the kept
     keys re-rotated into a plain cache, the model's own masks), chunks equal token by token, and the local layers
@@ -366,6 +367,7 @@ def gguf_model(gguf_lm) -> torch.nn.Module:
     return hfa.from_pretrained(AutoModelForCausalLM, str(path.parent), gguf_file=path.name)
 
 
+@pytest.mark.slow  # the GGUF file's load takes about a minute
 def test_a_gguf_file_loads_as_a_plain_model_equal_to_the_fetched_folder(gguf_model, decoders):
     assert not gguf_model.is_quantized
     assert getattr(gguf_model, "hf_quantizer", None) is None
@@ -394,6 +396,7 @@ def test_a_model_transformers_left_marked_as_gguf_is_unmarked_and_saves(tmp_path
     assert not drop_gguf_marker(again)
 
 
+@pytest.mark.slow
 def test_lora_and_a_learnable_sink_on_a_gguf_model_save_and_reload(
     gguf_model, decoders, checkpoints, tmp_path
 ):
@@ -494,6 +497,7 @@ def test_lm_eval_model_type_streams_a_real_model_by_name(checkpoints, documents_
     assert 1 < streamed < 1e4
 
 
+@pytest.mark.slow
 def test_lm_eval_model_type_loads_a_gguf_file(gguf_lm, decoders):
     """``pretrained=<a .gguf path>``: a plain float model (as the fetched folder's) and the GGUF's tokenizer;
     patch options apply to it as to any model."""
@@ -578,7 +582,7 @@ def test_a_corrupt_download_is_refused_and_leaves_nothing(tmp_path, monkeypatch)
 @pytest.mark.parametrize(
     ("tokens", "edges", "passkey"),
     [
-        pytest.param(2100, (1024, 2048), "hfa_passkey_4k", id="2k"),
+        pytest.param(2100, (1024, 2048), "hfa_passkey_4k", id="2k", marks=pytest.mark.slow),
         pytest.param(8400, (4096, 8192), "hfa_passkey_16k", id="past-trained-8k", marks=pytest.mark.slow),
     ],
 )

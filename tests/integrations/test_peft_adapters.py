@@ -530,6 +530,7 @@ def test_torch_compile_inductor():
 # --- the example ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_example_runs(tmp_path):
     """examples/peft_finetune.py end to end on the shipped model, shortened: table, sinks, save and reload."""
     script = Path(__file__).resolve().parents[2] / "examples" / "peft_finetune.py"

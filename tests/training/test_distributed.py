@@ -52,7 +52,12 @@ def _launch(launcher: str, mode: str, out: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    ("launcher", "mode"), [("torchrun", "ddp"), ("accelerate", "ddp"), ("torchrun", "fsdp2")]
+    ("launcher", "mode"),
+    [
+        ("torchrun", "ddp"),
+        pytest.param("accelerate", "ddp", marks=pytest.mark.slow),
+        pytest.param("torchrun", "fsdp2", marks=pytest.mark.slow),
+    ],
 )
 def test_data_parallel_lora_stays_in_sync(launcher, mode, tmp_path):
     reports = _launch(launcher, mode, tmp_path)
