@@ -17,12 +17,18 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def memoize(function: Callable[P, R]) -> Callable[P, R]:
-    """``functools.cache(function)`` outside torch.compile; ``function`` itself, uncached, under it."""
-    cached = functools.cache(function)
+def memoize(maxsize: int | None = None) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """``functools.lru_cache(maxsize)`` outside torch.compile; the function itself, uncached, under it. The
+    wrapper keeps the cache's ``cache_info`` and ``cache_clear``."""
 
-    @functools.wraps(function)
-    def call(*args: P.args, **kwargs: P.kwargs) -> R:
-        return function(*args, **kwargs) if torch.compiler.is_compiling() else cached(*args, **kwargs)
+    def decorate(function: Callable[P, R]) -> Callable[P, R]:
+        cached = functools.lru_cache(maxsize)(function)
 
-    return call
+        @functools.wraps(function)
+        def call(*args: P.args, **kwargs: P.kwargs) -> R:
+            return function(*args, **kwargs) if torch.compiler.is_compiling() else cached(*args, **kwargs)
+
+        call.cache_info, call.cache_clear = cached.cache_info, cached.cache_clear
+        return call
+
+    return decorate

@@ -46,7 +46,7 @@ def rotary_output(
     return rotary(like, positions) if layer_type is None else rotary(like, positions, layer_type)
 
 
-@memoize  # built per layer and call under ReRoPE: reading the signature each time costs more than it
+@memoize()  # built per layer and call under ReRoPE: reading the signature each time costs more than it
 def family_rotation(rope: Callable[..., Any], width: int) -> RotateFn:
     """The family's RoPE ``rope`` as a `RotateFn` over the first ``width`` dims of each head, the rest passed
     through (Phi, Persimmon, StableLM and GPT-NeoX slice their partial rotary part off before they call theirs).

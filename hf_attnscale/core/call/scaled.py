@@ -16,8 +16,6 @@ How calls get here (names, registration) is `hf_attnscale.core.call.dispatch`; t
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
@@ -28,6 +26,7 @@ from hf_attnscale.core.call.exit import AttentionFn
 from hf_attnscale.core.call.gate import apply_gate
 from hf_attnscale.core.call.hooks import CallHooks
 from hf_attnscale.core.call.masks import visible_key_counts
+from hf_attnscale.core.call.memo import memoize
 from hf_attnscale.core.call.rerope import rerope_attention
 from hf_attnscale.core.call.state import AttnScaleState
 from hf_attnscale.core.options.laws import query_multiplier
@@ -58,7 +57,7 @@ def scaled_attention(
     if config.scale != "none":
         shape = (query.shape[2], key.shape[2], causal, kwargs.get("sliding_window"), backend.bottom_right)
         fixed = query.shape[2] == 1 and attention_mask is None and state.ssmax is None
-        if fixed and not torch.compiler.is_compiling():  # a graph computes it itself
+        if fixed:
             multiplier = _step_multiplier(config, *shape, query.device, query.dtype)
         else:
             multiplier = _multiplier(config, *shape, query.device, query.dtype, attention_mask, state.ssmax)
@@ -163,7 +162,7 @@ def _multiplier(
     return query_multiplier(config, n, ssmax).unsqueeze(-1).to(dtype)
 
 
-@functools.lru_cache(maxsize=64)
+@memoize(maxsize=64)  # a graph computes it itself
 def _step_multiplier(
     config, q_len, k_len, causal, sliding_window, bottom_right, device, dtype
 ) -> torch.Tensor:

@@ -47,7 +47,7 @@ ROTARY_ATTR = "_hfa_rotary"
 """Per-instance attribute where the patch records the rotary embedding feeding a RoPE attention module."""
 
 
-@memoize
+@memoize()
 def _signature(function) -> inspect.Signature:
     return inspect.signature(function)  # cached: it costs more than a small model's attention step
 
@@ -114,7 +114,7 @@ def _rerope_forward(self: nn.Module, config: Any, position_embeddings: Any, **kw
     return forward_with_hooks(self, hooks, called_as_module=True, position_embeddings=identity, **kwargs)
 
 
-@memoize
+@memoize()
 def _identity(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos = 1 and sin = 0, ``(1, 1, 1)``, to expand to any call's cos/sin: made once, not in every layer of
     every call (outside inference mode, so that a pair made under it serves training too)."""
@@ -163,6 +163,6 @@ def forward_with_hooks(module: nn.Module, hooks: CallHooks, *, called_as_module:
             return forward(module, **kwargs)
 
 
-@memoize
+@memoize()
 def _takes_any_keyword(function) -> bool:
     return any(p.kind is p.VAR_KEYWORD for p in _signature(function).parameters.values())
