@@ -28,7 +28,7 @@ from conftest import (
 from model_zoo import EAGER_ONLY, LOGIT_TOLERANCE, family_types, head_of, reference_of, zoo_model
 
 import hf_attnscale as hfa
-from hf_attnscale.core.call import key_parts, rope
+from hf_attnscale.core.call import key_parts, rerope, rope
 
 WINDOW, LEAK, LENGTH = 4, 3.0, 16
 ROPE_TYPES = {  # transformers' own rope_parameters, each with what the tiny model's RoPE needs
@@ -320,6 +320,79 @@ def test_a_left_padded_batch_equals_each_prompt_alone(attn):
         batch = model(**inputs).logits
         alone = model(input_ids=inputs["input_ids"][1:, 3:]).logits
     torch.testing.assert_close(batch[1, 3:], alone[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("option", ["rerope", "leaky"])
+@pytest.mark.parametrize("attn", FORWARD_ATTNS, indirect=True)
+def test_packed_sequences_equal_each_alone(attn, option, monkeypatch):
+    """Packed rows, as padding-free training makes them (positions restart, no mask, no cache): transformers
+    masks each sequence from the others, so distances counted in the cache are each sequence's own. Their
+    positions are checked once per forward, not in every layer."""
+    model = hfa.patch(sharp_model("llama", attn), **OPTIONS[option])
+    first, second = torch.randint(3, SHARP_VOCAB, (1, 9)), torch.randint(3, SHARP_VOCAB, (1, 7))
+    positions = torch.cat([torch.arange(9), torch.arange(7)])[None]
+    checked = []
+    remember = rerope._CHECKED.remember
+    monkeypatch.setattr(rerope._CHECKED, "remember", lambda *args: checked.append(args) or remember(*args))
+    with torch.no_grad():
+        packed = model(torch.cat([first, second], 1), position_ids=positions, use_cache=False).logits
+        alone = torch.cat([model(first).logits, model(second).logits], 1)
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
+    assert model.config.num_hidden_layers > 1 and len(checked) == 3  # one for each of the three forwards
+
+
+def _left_padded(ids: torch.Tensor, pads: int) -> dict:
+    """``ids`` after ``pads`` pad tokens, with generate()'s positions (a pad's is 1)."""
+    mask = torch.cat([torch.zeros(1, pads, dtype=torch.long), torch.ones_like(ids)], 1)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    return {
+        "input_ids": torch.cat([torch.zeros_like(mask[:, :pads]), ids], 1),
+        "attention_mask": mask,
+        "position_ids": positions,
+    }
+
+
+POSITIONS = {  # (inputs for 16 tokens, whether ReRoPE serves them)
+    "restart, no cache": (lambda ids: {"position_ids": torch.arange(16) % 9, "use_cache": False}, True),
+    "left padded": (lambda ids: _left_padded(ids[:, 3:], 3), True),
+    "right padded, pads at 0": (  # as TRL's collator pads a row's positions
+        lambda ids: {
+            "position_ids": torch.arange(16) * (torch.arange(16) < 12),
+            "attention_mask": (torch.arange(16) < 12).long()[None],
+        },
+        True,
+    ),
+    "offset by 5": (lambda ids: {"position_ids": torch.arange(16) + 5}, True),
+    "restart onto a cache": (lambda ids: {"position_ids": torch.arange(16) % 9}, False),
+    "a jump": (lambda ids: {"position_ids": torch.arange(16) + 4 * (torch.arange(16) > 7)}, False),
+    "a jump under a mask": (
+        lambda ids: {
+            "position_ids": torch.arange(16) * 2,
+            "attention_mask": torch.ones_like(ids),
+            "use_cache": False,
+        },
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"], indirect=True)
+@pytest.mark.parametrize("case", list(POSITIONS))
+def test_positions_that_do_not_run_on_by_one_are_refused_in_one_line(case, attn):
+    """ReRoPE counts distances in the cache: where a query's visible keys' positions jump or restart (and
+    transformers does not mask them apart), the model would score other distances, so the call is refused."""
+    make, served = POSITIONS[case]
+    model = hfa.patch(sharp_model("llama", attn), **OPTIONS["rerope"])
+    ids = torch.randint(3, SHARP_VOCAB, (1, 16))
+    inputs = {"input_ids": ids, **make(ids)}
+    inputs["position_ids"] = inputs["position_ids"].view(1, -1)
+    if served:
+        with torch.no_grad():
+            model(**inputs)
+        return
+    with pytest.raises(ValueError, match="rerope_window: position_ids jump or restart") as error:
+        model(**inputs)
+    assert "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize("onto_a_cache", [False, True])

@@ -20,11 +20,14 @@ A chunk of queries [a, a + c) only ever sees near keys in [a − w + 1, a + c) a
 no T × T tensor is ever held.
 
 Positions are counted in the cache (the queries are its last ones): a row's distances are those of its tokens
-whenever its positions are consecutive, left padding included (the padding is masked).
+whenever its positions are consecutive, left padding included (the padding is masked), and packed sequences
+too (transformers masks each from the others). Where a family hands attention its ``position_ids``, a call's
+queries are checked for that (`check_positions`).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -78,16 +81,19 @@ def rerope_attention(
     *,
     sliding_window: int | None = None,
     bands: BandsFn | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """ReRoPE over raw ``query`` ``(B, H, Tq, D)`` and ``key`` / ``value`` ``(B, Hkv, Tk, D)``, causal, the queries
     being the last ``Tq`` keys; ``mask`` None (causal, ``sliding_window`` keys at most) or 4D, bool or
     additive. Several queries go to ``bands`` where it is given (the accelerator's whole-sequence path; it
-    returns None where it cannot take them), else to ``attend`` in chunks. Returns ``(B, Tq, H, Dv)``."""
+    returns None where it cannot take them), else to ``attend`` in chunks; their ``position_ids``, the model's,
+    where the family passes them, are checked first (`check_positions`). Returns ``(B, Tq, H, Dv)``."""
     q_len, k_len, dtype = query.shape[2], key.shape[2], query.dtype
     past, window = k_len - q_len, call.window
     device = query.device
     if q_len == 1:
         return _decode(attend, call, query, key, value, mask, sliding_window)
+    check_positions(position_ids, mask, past)
     positions = torch.arange(k_len, device=device)[None]
     # the first key rotated as near: for the chunks, the first near to any query; the bands take them all
     lowest = 0 if bands is not None else max(0, past - window + 1)
@@ -145,6 +151,71 @@ def rerope_attention(
             parts.insert(0, KeyPart(far_q[:, :, start:stop], far_k[:, :, far], value[:, :, far], far_visible))
         outs.append(attend(parts))
     return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0].contiguous()
+
+
+def check_positions(position_ids: torch.Tensor | None, mask: torch.Tensor | None, past: int) -> None:
+    """Raise ValueError, in one line, where a call's ``position_ids`` ``(B|1, Tq)`` (the model's, for its queries,
+    the cache's last ``Tq`` keys after ``past``) do not run on by one over the queries each of them sees: ReRoPE
+    counts distances in the cache, and would score such a pair at another distance than the model's. Keys that
+    ``mask`` hides do not count, nor do padding queries (they do not see themselves), so padding on either side
+    and packed sequences pass. Checked once per ``position_ids``
+    and ``mask`` (every layer of a forward gets the same), with one wait on the device; not under
+    torch.compile, nor for the keys before the call (the cache keeps no positions)."""
+    if (
+        position_ids is None
+        or position_ids.dim() != 2  # multimodal RoPE's (3, B, T) sections: not a ReRoPE model
+        or position_ids.shape[-1] < 2
+        or torch.compiler.is_compiling()
+        or _CHECKED.seen(position_ids, mask)
+    ):
+        return
+    q_len = position_ids.shape[-1]
+    # a position less its index: the same along what a query sees, where the positions run on by one
+    offsets = position_ids - torch.arange(q_len, device=position_ids.device)
+    if mask is None:  # causal: each query sees every query before it
+        wrong = (offsets != offsets[:, :1]).any()
+    else:
+        wrong = torch.zeros((), dtype=torch.bool, device=position_ids.device)
+        rows = max(1, MASK_CHUNK // q_len)
+        for start in range(0, q_len, rows):
+            stop = min(q_len, start + rows)
+            seen = mask[..., start:stop, past : past + q_len] if mask.shape[-2] > 1 else mask[..., past:]
+            seen = visible_entries(seen).expand(*seen.shape[:-2], stop - start, q_len)
+            row = torch.arange(stop - start, device=seen.device)
+            itself = seen[
+                ..., row, row + start, None
+            ]  # a padding query does not see itself: it does not count
+            apart = offsets[:, None, start:stop, None] != offsets[:, None, None, :]
+            wrong = wrong | (seen & itself & apart).any()
+    if wrong.item():
+        raise ValueError(
+            "rerope_window: position_ids jump or restart within what a query sees (ReRoPE counts distances in "
+            "the cache, so it would score other distances than the model's); pass positions that run on by "
+            "one, as generate() and the model's defaults do, or pack sequences with no attention mask and no "
+            "cache (use_cache=False), which transformers masks apart."
+        )
+    _CHECKED.remember(position_ids, mask)
+
+
+class _LastChecked:
+    """The ``position_ids`` and mask last found right, held weakly: a forward's layers check them once."""
+
+    def __init__(self) -> None:
+        self._refs: tuple[weakref.ref, weakref.ref | None] | None = None
+
+    def seen(self, position_ids: torch.Tensor, mask: torch.Tensor | None) -> bool:
+        if self._refs is None:
+            return False
+        positions, masked = self._refs
+        if positions() is not position_ids:
+            return False
+        return mask is None if masked is None else (mask is not None and masked() is mask)
+
+    def remember(self, position_ids: torch.Tensor, mask: torch.Tensor | None) -> None:
+        self._refs = (weakref.ref(position_ids), None if mask is None else weakref.ref(mask))
+
+
+_CHECKED = _LastChecked()
 
 
 def _decode(attend: PartsFn, call: ReRoPECall, query, key, value, mask, sliding_window) -> torch.Tensor:

@@ -137,6 +137,7 @@ def scaled_attention(
             attention_mask,
             sliding_window=sliding_window,
             bands=attend_bands if use_bands else None,
+            position_ids=kwargs.get("position_ids"),
         )
         weights = None
     if hooks is not None and hooks.output is not None:
