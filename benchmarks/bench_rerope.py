@@ -37,6 +37,7 @@ REROPE_LOGN = {"rerope_window": 1024, "scale": "logn", "train_length": 8192}
 VARIANTS = {  # name: (patch options, environment)
     "unpatched": ({}, {}),
     "ReRoPE + logn": (REROPE_LOGN, {}),
+    "leaky ReRoPE + logn": ({**REROPE_LOGN, "rerope_leak": 16.0}, {}),
     "ReRoPE + logn, public formulation": (
         REROPE_LOGN,
         {"HF_ATTNSCALE_FUSED_PARTS": "0", "HF_ATTNSCALE_FLEX_PARTS": "0"},

@@ -220,16 +220,26 @@ def test_decoding_with_yarns_attention_scaling_and_no_mask(option):
     torch.testing.assert_close(torch.stack(out.logits, 1), whole[:, 5:-1], atol=1e-4, rtol=1e-4)
 
 
-def test_the_windows_cos_sin_are_computed_once_and_follow_the_rotary(monkeypatch):
+@pytest.mark.parametrize(
+    "option, made",
+    [
+        ("rerope", [(1, WINDOW + 1)]),  # the prefill's own cos/sin, then the window's table
+        # the prefill's far queries' and keys' in each of 2 layers, then the window's, then the far keys' three
+        # times: 3 far keys at the first step (of 9), twice as many when they outgrow the table
+        ("leaky", [(1, 6)] * 4 + [(1, WINDOW + 1), (1, 3), (1, 6), (1, 12)]),
+    ],
+)
+def test_the_steps_cos_sin_are_computed_once_and_follow_the_rotary(monkeypatch, option, made):
     """Every layer of every decoding step turns the query and the near keys by the same distances, so their
-    cos/sin are computed once for a whole generate(); changed in place, or gone with their model, the rotary's
+    cos/sin are computed once for a whole generate(); leaky ReRoPE's far keys, one more at each step, from a
+    table made anew only when they outgrow it. Changed in place, or gone with their model, the rotary's
     frequencies are read again (each time against the reference)."""
     tables = []
     original = rope.RotaryFrequencies.cos_sin
     monkeypatch.setattr(
         rope.RotaryFrequencies, "cos_sin", lambda *a, **k: tables.append(a[1].shape) or original(*a, **k)
     )
-    model, reference = patched_beside_reference(sharp_model("llama"), OPTIONS["rerope"])
+    model, reference = patched_beside_reference(sharp_model("llama"), OPTIONS[option])
     frequencies = id(model.model.rotary_emb.inv_freq)
     ids = sharp_inputs(batch=1, padded=False)["input_ids"][:, :6]
     for factor in (1.0, 0.7):
@@ -237,7 +247,7 @@ def test_the_windows_cos_sin_are_computed_once_and_follow_the_rotary(monkeypatch
             each.model.rotary_emb.inv_freq.mul_(factor)
         tables.clear()
         out = model.generate(input_ids=ids, max_new_tokens=10, **GREEDY)
-        assert tables == [(1, WINDOW + 1)]  # one table: the prefill's own cos/sin, then the table's rows
+        assert tables == made
         with torch.no_grad():
             whole = reference(input_ids=out.sequences).logits
         torch.testing.assert_close(torch.stack(out.logits, 1), whole[:, 5:-1], atol=1e-4, rtol=1e-4)
@@ -266,11 +276,12 @@ def test_the_family_rotation_turns_one_tensor_as_the_family_does(family, halves)
         assert rope._computes_halves(own, 8) is halves
 
 
-@pytest.mark.parametrize("option, per_layer", [("rerope", 11), ("leaky", 37)])
+@pytest.mark.parametrize("option, per_layer", [("rerope", 11), ("leaky", 16)])
 def test_a_decoding_step_adds_few_operators_per_layer(option, per_layer):
     """A GPU runs every operator of an eager decoding step as one launch at least, and a small model's step waits
     on launches. ReRoPE's step adds, per layer, the turns of the query and of the near keys (5 each) and the
-    keys' concatenation (1); leaky ReRoPE also computes the near and far keys' cos/sin and turns the far keys."""
+    keys' concatenation (1); leaky ReRoPE turns the far keys too (5), by cos/sin kept across steps (37 when each
+    layer computed them)."""
 
     def step_operators(layers: int, **options) -> int:
         model = sharp_model("llama", num_hidden_layers=layers)

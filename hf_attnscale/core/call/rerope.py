@@ -222,32 +222,29 @@ def _decode(attend: PartsFn, call: ReRoPECall, query, key, value, mask, sliding_
     """One query (a decoding step, at position i = the cache's last), one backend call at the model's own head
     dim, on the keys in their order, values untouched. The query is turned to the window, ``R(w) q``, so a far
     key is scored as it is stored (``(R(w) q) · k``) and only the w near keys turn, by ``j − i + w``
-    (``(R(w) q) · (R(j − i + w) k) = (R(i) q) · (R(j) k)``). Leaky ReRoPE's far keys each turn by their own
-    distance (``R'(j − i − w(k − 1))``, against the query as it is)."""
-    k_len, dtype, window = key.shape[2], query.dtype, call.window
+    (``(R(w) q) · (R(j − i + w) k) = (R(i) q) · (R(j) k)``). Leaky ReRoPE's far keys each turn by the slower
+    RoPE R' (frequencies θ / k) at ``j − i + w``: ``(R(w) q) · (R'(j − i + w) k) = (R'(i + w(k − 1)) q) · (R'(j) k)``,
+    since R(w) is R'(wk). Their cos/sin, like the window's, come from a table kept across layers and steps."""
+    k_len, dtype, window, device = key.shape[2], query.dtype, call.window, query.device
     i = k_len - 1
     far_end = max(0, i - window + 1)
-    at = call.frequencies.cos_sin
-    table = call.frequencies.at_distances(window + 1, dtype, query.device)
+    table = call.frequencies.at_distances(window + 1, dtype, device)
+    query = call.rope(query, *_rows(table, window, window + 1))
+    near = call.rope(key[:, :, far_end:], *_rows(table, far_end - i + window, window + 1))
     if call.leak is None:
-        query = call.rope(query, *_rows(table, window, window + 1))
-        near = call.rope(key[:, :, far_end:], *_rows(table, far_end - i + window, window + 1))
         far = key[:, :, :far_end]
         if (scaling := call.frequencies.scaling) != 1.0:
             # YaRN's attention scaling s rides on cos/sin, so every score carries s²: the query takes the far
             # keys' s, and the near keys give theirs back, rather than the far keys all turn by s in every step
             query, near = query * scaling, near / scaling
-    else:
-        positions = torch.arange(k_len, device=query.device)[None]
-        query = call.rope(query, *_rows(table, 0, 1))  # the attention scaling only
-        near = call.rope(key[:, :, far_end:], *at(positions[:, far_end:] - i, dtype))
-        leaky = at(positions[:, :far_end] - i - window * (call.leak - 1), dtype, call.leak)
-        far = call.rope(key[:, :, :far_end], *leaky)
+    else:  # the far keys turn by R', its cos/sin carrying s as the near keys' do
+        slower = call.frequencies.at_distances(far_end, dtype, device, call.leak, before=True)
+        far = call.rope(key[:, :, :far_end], *slower)
     keys = torch.cat([far, near], dim=2)
     shown = None  # no mask where the model passed none: the backend takes grouped heads as they are
     if mask is not None or sliding_window:
-        at_i = torch.arange(i, k_len, device=query.device)[:, None]
-        shown = _visible(mask, 0, 1, k_len, at_i, sliding_window, query.device)
+        at_i = torch.arange(i, k_len, device=device)[:, None]
+        shown = _visible(mask, 0, 1, k_len, at_i, sliding_window, device)
     return attend([KeyPart(query, keys, value, shown)])
 
 

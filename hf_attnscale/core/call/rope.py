@@ -145,26 +145,39 @@ class RotaryFrequencies:
             cos, sin = cos * self.scaling, sin * self.scaling
         return cos.to(dtype), sin.to(dtype)
 
-    def at_distances(self, count: int, dtype: torch.dtype, device: torch.device) -> CosSin:
-        """cos, sin at the distances ``0 .. count-1``, ``(1, count, rotary_dim)``. Every layer of every decoding
-        step reads the same ones (ReRoPE's window), so they are computed once per frequencies, count, dtype and
-        device, and kept while the rotary module holds this ``inv_freq`` buffer, made again when PyTorch counts
-        an in-place change to it (not a write through ``.data``). A compiled graph computes them itself, and
-        so does a call on an ``inv_freq`` made in inference mode, which counts no changes."""
+    def at_distances(
+        self, count: int, dtype: torch.dtype, device: torch.device, slower: float = 1.0, before: bool = False
+    ) -> CosSin:
+        """cos, sin at the distances ``0 .. count-1`` (``before``: ``-(count-1) .. 0``), ``(1, count, rotary_dim)``,
+        the frequencies divided by ``slower``. Every layer of every decoding step reads the same ones (ReRoPE's
+        window; leaky ReRoPE's far keys, one more at each step), so one table of each kind (slower, before,
+        dtype, device) is kept, made twice as long as asked when it falls short, and its rows returned. It is
+        kept while the rotary module holds this ``inv_freq`` buffer, and made again when PyTorch counts an
+        in-place change to it (not a write through ``.data``). A compiled graph computes the rows itself, and so
+        does a call on an ``inv_freq`` made in inference mode, which counts no changes."""
         if torch.compiler.is_compiling() or self.inv_freq.is_inference():
-            return self.cos_sin(torch.arange(count, device=device)[None], dtype)
+            return self._distances(count, dtype, device, slower, before)
         # the buffer's in-place version counter: a host-side integer, so the lookup never waits on the device
-        key = (count, self.scaling, dtype, torch.device(device), self.inv_freq._version)
+        key = (slower, before, self.scaling, dtype, torch.device(device), self.inv_freq._version)
         tables = _tables_of(self.inv_freq)
         table = tables.get(key)
-        if table is None:
+        if table is None or table[0].shape[1] < count:
+            length = count if table is None else max(count, 2 * table[0].shape[1])
             # made outside inference mode: a table kept from an inference-mode call serves calls with gradients
             with torch.inference_mode(False):
-                table = self.cos_sin(torch.arange(count, device=device)[None], dtype)
+                table = self._distances(length, dtype, device, slower, before)
             for stale in [kept for kept in list(tables) if kept[-1] != key[-1]]:
                 tables.pop(stale, None)  # another thread may have taken it already
             tables[key] = table
-        return table
+        length = table[0].shape[1]
+        rows = slice(length - count, length) if before else slice(0, count)
+        return table[0][:, rows], table[1][:, rows]
+
+    def _distances(
+        self, count: int, dtype: torch.dtype, device: torch.device, slower: float, before: bool
+    ) -> CosSin:
+        steps = torch.arange(count, device=device)[None]
+        return self.cos_sin(steps - (count - 1) if before else steps, dtype, slower)
 
     @classmethod
     def checked(
