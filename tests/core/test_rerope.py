@@ -406,6 +406,58 @@ def test_positions_that_do_not_run_on_by_one_are_refused_in_one_line(case, attn)
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("jump", [False, True])
+def test_a_one_row_mask_with_more_columns_than_keys(jump):
+    """A 4D mask of one row for every query (a user's own), wider than the call's keys: its columns after the
+    cache's 2 keys are the chunk's own."""
+    positions = (torch.arange(5) + 2 + 3 * jump * (torch.arange(5) > 2))[None]
+    mask = torch.ones(1, 1, 1, 2 + 5 + 1, dtype=torch.bool)
+    if not jump:
+        rerope.check_positions(positions, mask, past=2)
+        return
+    with pytest.raises(ValueError, match="position_ids jump or restart"):
+        rerope.check_positions(positions, mask, past=2)
+
+
+def test_a_forwards_positions_are_checked_once_per_mask(monkeypatch):
+    """Gemma-3's local and global layers take two masks, alternating: the positions are checked once for each."""
+    types = ["sliding_attention", "full_attention"] * 2
+    model = zoo_model("gemma3_text", "sdpa", num_hidden_layers=4, layer_types=types, sliding_window=6)
+    hfa.patch(model, **OPTIONS["rerope"])
+    checked = []
+    remember = rerope._CHECKED.remember
+    monkeypatch.setattr(rerope._CHECKED, "remember", lambda *args: checked.append(args) or remember(*args))
+    with torch.no_grad():
+        model(**sharp_inputs(vocab=min(model.config.vocab_size, 100)))
+    assert len(checked) == 2
+
+
+@pytest.mark.parametrize("jump", [False, True])
+def test_a_chunk_onto_the_cache_under_a_mask_is_checked_against_its_own_keys(jump):
+    """A left-padded batch read in two calls with generate()'s positions; in the second, row 1's positions jump
+    after its third token: refused. Only the chunk's own keys (after the cache's) show it."""
+    model = hfa.patch(sharp_model("llama", "eager"), **OPTIONS["rerope"])
+    inputs = sharp_inputs()
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    cache = transformers.DynamicCache(config=model.config)
+    chunk = positions[:, 10:].clone()
+    chunk[1, 3:] += 3 * jump
+    with torch.no_grad():
+        model(
+            input_ids=ids[:, :10],
+            attention_mask=mask[:, :10],
+            position_ids=positions[:, :10],
+            past_key_values=cache,
+        )
+        second = dict(input_ids=ids[:, 10:], attention_mask=mask, position_ids=chunk, past_key_values=cache)
+        if not jump:
+            model(**second)
+            return
+        with pytest.raises(ValueError, match="rerope_window: position_ids jump or restart"):
+            model(**second)
+
+
 @pytest.mark.parametrize("onto_a_cache", [False, True])
 def test_flex_past_its_recompile_limit_takes_the_chunks(monkeypatch, onto_a_cache):
     """Where torch.compile will compile flex no more (its limit hit, fullgraph), the call takes the chunked

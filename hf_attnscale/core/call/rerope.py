@@ -158,9 +158,9 @@ def check_positions(position_ids: torch.Tensor | None, mask: torch.Tensor | None
     the cache's last ``Tq`` keys after ``past``) do not run on by one over the queries each of them sees: ReRoPE
     counts distances in the cache, and would score such a pair at another distance than the model's. Keys that
     ``mask`` hides do not count, nor do padding queries (they do not see themselves), so padding on either side
-    and packed sequences pass. Checked once per ``position_ids``
-    and ``mask`` (every layer of a forward gets the same), with one wait on the device; not under
-    torch.compile, nor for the keys before the call (the cache keeps no positions)."""
+    and packed sequences pass. Checked once per ``position_ids`` and ``mask`` (a forward's layers share them: one
+    mask, or two with sliding-window layers), with one wait on the device; not under torch.compile, nor for the
+    keys before the call (the cache keeps no positions)."""
     if (
         position_ids is None
         or position_ids.dim() != 2  # multimodal RoPE's (3, B, T) sections: not a ReRoPE model
@@ -176,10 +176,15 @@ def check_positions(position_ids: torch.Tensor | None, mask: torch.Tensor | None
         wrong = (offsets != offsets[:, :1]).any()
     else:
         wrong = torch.zeros((), dtype=torch.bool, device=position_ids.device)
-        rows = max(1, MASK_CHUNK // q_len)
+        rows_of = max(mask.shape[0], position_ids.shape[0]) * mask.shape[1]  # (batch, head) rows of the mask
+        rows = max(1, MASK_CHUNK // (q_len * rows_of))
         for start in range(0, q_len, rows):
             stop = min(q_len, start + rows)
-            seen = mask[..., start:stop, past : past + q_len] if mask.shape[-2] > 1 else mask[..., past:]
+            seen = (
+                mask[..., start:stop, past : past + q_len]
+                if mask.shape[-2] > 1
+                else mask[..., past : past + q_len]
+            )
             seen = visible_entries(seen).expand(*seen.shape[:-2], stop - start, q_len)
             row = torch.arange(stop - start, device=seen.device)
             itself = seen[
@@ -197,25 +202,28 @@ def check_positions(position_ids: torch.Tensor | None, mask: torch.Tensor | None
     _CHECKED.remember(position_ids, mask)
 
 
-class _LastChecked:
-    """The ``position_ids`` and mask last found right, held weakly: a forward's layers check them once."""
+class _Checked:
+    """The last few ``position_ids`` and masks found right, held weakly, so that a forward's layers check them
+    once; replaced as one tuple, so that threads only ever check again."""
+
+    KEPT = 4
 
     def __init__(self) -> None:
-        self._refs: tuple[weakref.ref, weakref.ref | None] | None = None
+        self._pairs: tuple[tuple[weakref.ref, weakref.ref | None], ...] = ()
 
     def seen(self, position_ids: torch.Tensor, mask: torch.Tensor | None) -> bool:
-        if self._refs is None:
-            return False
-        positions, masked = self._refs
-        if positions() is not position_ids:
-            return False
-        return mask is None if masked is None else (mask is not None and masked() is mask)
+        return any(
+            positions() is position_ids
+            and (masked is None if mask is None else masked is not None and masked() is mask)
+            for positions, masked in self._pairs
+        )
 
     def remember(self, position_ids: torch.Tensor, mask: torch.Tensor | None) -> None:
-        self._refs = (weakref.ref(position_ids), None if mask is None else weakref.ref(mask))
+        pair = (weakref.ref(position_ids), None if mask is None else weakref.ref(mask))
+        self._pairs = (pair, *self._pairs[: self.KEPT - 1])
 
 
-_CHECKED = _LastChecked()
+_CHECKED = _Checked()
 
 
 def _decode(attend: PartsFn, call: ReRoPECall, query, key, value, mask, sliding_window) -> torch.Tensor:

@@ -4,8 +4,9 @@ from a rotary module's own frequencies (ReRoPE here; `SinkCache` streaming build
 A rotary module computes ``cos, sin = (cos(p·θ), sin(p·θ)) · s`` from its ``inv_freq`` θ (scaled as its rope
 type says: YaRN, llama3, linear, dynamic NTK...) and its ``attention_scaling`` s, in the halves layout
 ``[θ, θ]``. `RotaryFrequencies` reads both, and gives cos/sin at any positions, in float64 angles, so that
-positions far past the trained length keep full precision. The cos/sin at the distances of a window, which
-every layer of every ReRoPE decoding step reads, are made once per frequencies (`RotaryFrequencies.at_distances`).
+positions far past the trained length keep full precision. The cos/sin at the distances that every layer of every
+ReRoPE decoding step reads (the window's; leaky ReRoPE's far keys') are kept in tables
+(`RotaryFrequencies.at_distances`).
 """
 
 from __future__ import annotations
@@ -151,10 +152,12 @@ class RotaryFrequencies:
         """cos, sin at the distances ``0 .. count-1`` (``before``: ``-(count-1) .. 0``), ``(1, count, rotary_dim)``,
         the frequencies divided by ``slower``. Every layer of every decoding step reads the same ones (ReRoPE's
         window; leaky ReRoPE's far keys, one more at each step), so one table of each kind (slower, before,
-        dtype, device) is kept, made twice as long as asked when it falls short, and its rows returned. It is
-        kept while the rotary module holds this ``inv_freq`` buffer, and made again when PyTorch counts an
-        in-place change to it (not a write through ``.data``). A compiled graph computes the rows itself, and so
-        does a call on an ``inv_freq`` made in inference mode, which counts no changes."""
+        dtype, device) is kept, made as long as asked and then, when a call asks for more, twice as long (at
+        least as asked), and its rows returned: up to twice the longest far part, ``2 × rotary_dim`` values a
+        row (512 KiB per 1,024 rows at rotary_dim 64 in float32). It is kept while the rotary module holds this
+        ``inv_freq`` buffer, and made again when PyTorch counts an in-place change to it (not a write through
+        ``.data``). A compiled graph computes the rows itself, and so does a call on an ``inv_freq`` made in
+        inference mode, which counts no changes."""
         if torch.compiler.is_compiling() or self.inv_freq.is_inference():
             return self._distances(count, dtype, device, slower, before)
         # the buffer's in-place version counter: a host-side integer, so the lookup never waits on the device
