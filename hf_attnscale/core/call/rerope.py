@@ -180,16 +180,11 @@ def check_positions(position_ids: torch.Tensor | None, mask: torch.Tensor | None
         rows = max(1, MASK_CHUNK // (q_len * rows_of))
         for start in range(0, q_len, rows):
             stop = min(q_len, start + rows)
-            seen = (
-                mask[..., start:stop, past : past + q_len]
-                if mask.shape[-2] > 1
-                else mask[..., past : past + q_len]
-            )
-            seen = visible_entries(seen).expand(*seen.shape[:-2], stop - start, q_len)
+            seen = _visible(mask, start, stop, past + q_len, None, None, mask.device)[..., past:]
+            seen = seen.expand(*seen.shape[:-2], stop - start, q_len)
             row = torch.arange(stop - start, device=seen.device)
-            itself = seen[
-                ..., row, row + start, None
-            ]  # a padding query does not see itself: it does not count
+            # a padding query does not see itself: it does not count
+            itself = seen[..., row, row + start, None]
             apart = offsets[:, None, start:stop, None] != offsets[:, None, None, :]
             wrong = wrong | (seen & itself & apart).any()
     if wrong.item():
