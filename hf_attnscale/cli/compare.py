@@ -53,12 +53,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     """The ``compare`` subparser."""
     parser = commands.add_parser(
         "compare",
-        help="the demo's comparison on any causal LM: unpatched, logn, window-only, sink+window, re-computation",
+        help="the demo's comparison on any causal LM: perplexity and passkeys of unpatched, logn, YaRN, "
+        "ReRoPE + logn, window-only, sink+window and re-computation",
         description="Evaluate a causal LM (a folder, a Hub id, a GGUF file or a real checkpoint's name) on "
-        "held-out text at several lengths, as the demo does: unpatched; logn, if a length exceeds the trained "
-        "length; window-only and sink+window streaming (StreamingLLM's SinkCache) at each cache size; and "
-        "re-computation, each token predicted from its last C tokens re-read from scratch. Prints the table "
-        "and writes results.json and ppl_vs_length.png. With no arguments: the shipped tiny model, offline.",
+        "held-out text at several lengths, as the demo does: unpatched; logn, YaRN (factor: the longest "
+        "length over the trained length) and ReRoPE + logn (window: a quarter of the trained length), if a "
+        "length exceeds the trained length; window-only and sink+window streaming (StreamingLLM's "
+        "SinkCache) at each cache size; and re-computation, each token predicted from its last C tokens "
+        "re-read from scratch. Then passkeys by length and depth for each variant but re-computation "
+        "(--no-passkeys skips them). Prints the tables and writes results.json, ppl_vs_length.png and "
+        "passkeys.png. With no arguments: the shipped tiny model, offline.",
     )
     add_model_arguments(parser)
     add_data_arguments(parser)

@@ -28,10 +28,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="shipped model and corpus: attention variants at 1x..16x the trained length",
         description="Evaluate the shipped tiny Llama (trained at 128 tokens, a BOS token opening every "
         "window) on the built-in held-out corpus at 1x, 2x, 4x, 8x and 16x its trained length: unpatched, "
-        "logn, window-only and sink+window streaming with a cache of the trained length, and sink+window "
-        "and streaming+logn with twice that. The model's heads lean on BOS (attention sinks), so the "
-        "window-only cache falls behind sink+window. Needs no arguments and no network; under a minute on "
-        "two idle CPU cores. The same comparison on another model: hf-attnscale compare --model NAME.",
+        "logn, ReRoPE + logn (window 32), window-only and sink+window streaming with a cache of the trained "
+        "length, and sink+window and streaming+logn with twice that. The model's heads lean on BOS "
+        "(attention sinks), so the window-only cache falls behind sink+window. Needs no arguments and no "
+        "network; under a minute on two idle CPU cores. The same comparison on another model: hf-attnscale "
+        "compare --model NAME.",
     )
     parser.add_argument(
         "--documents",

@@ -11,7 +11,7 @@ The shims, each named with the transformers versions that need it:
 
 * `create_position_bias_mask`: a copy of transformers' function of that name in
   ``transformers.integrations.sdpa_attention``, new in 5.14; transformers 5.13 lacks it (so do 5.0 to 5.12).
-  ``core.attention`` folds a relative position bias (Inkling's) into the mask with transformers' own where
+  ``core.call.backends`` folds a relative position bias (Inkling's) into the mask with transformers' own where
   the installed version has it, and with this copy only where it does not (tests/core/test_compat.py checks
   the copy against transformers' own). It is written with tensor methods only, so that this module imports
   neither torch nor transformers.
