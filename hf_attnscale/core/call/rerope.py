@@ -180,7 +180,8 @@ def check_positions(position_ids: torch.Tensor | None, mask: torch.Tensor | None
         rows = max(1, MASK_CHUNK // (q_len * rows_of))
         for start in range(0, q_len, rows):
             stop = min(q_len, start + rows)
-            seen = _visible(mask, start, stop, past + q_len, None, None, mask.device)[..., past:]
+            # the call's own keys only: those before it have no positions here
+            seen = _visible(mask[..., past : past + q_len], start, stop, q_len, None, None, mask.device)
             seen = seen.expand(*seen.shape[:-2], stop - start, q_len)
             row = torch.arange(stop - start, device=seen.device)
             # a padding query does not see itself: it does not count
