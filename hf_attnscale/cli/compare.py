@@ -85,8 +85,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--train-length",
         type=count_type(2),
-        help="L of logn, and the length the table's multiples are of (default: max_position_embeddings, "
-        "which the plot marks as the trained length)",
+        help="L of logn, YaRN's factor (longest length / it), ReRoPE's window (a quarter of it), and the length "
+        "the table's multiples are of (default: max_position_embeddings, which the plot marks as the trained length)",
     )
     parser.add_argument(
         "--documents",

@@ -1,4 +1,4 @@
-"""``hf-attnscale demo``: the shipped model on the built-in held-out corpus, six variants, 1x..16x its length."""
+"""``hf-attnscale demo``: the shipped model on the built-in held-out corpus, seven variants, 1x..16x its length."""
 
 from __future__ import annotations
 

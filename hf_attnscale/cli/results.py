@@ -132,7 +132,8 @@ def recall(
     depths = ", ".join(f"{d:.0%}" for d in args.passkey_depths)
     print(
         f"\nPasskeys found (every key token the model's top choice) of {len(args.passkey_depths)} prompts per "
-        f"length (key at {depths} of the haystack), and the key's mean log-likelihood (a guess: about -11.5):\n\n"
+        f"length (key at {depths} of the haystack; Y or N at each depth, in that order), and the key's mean "
+        "log-likelihood (a guess: about -11.5):\n\n"
         f"| variant | {' | '.join(length_label(n, train_length) for n in lengths)} |\n"
         f"|---|{'---|' * len(lengths)}",
         flush=True,
@@ -159,7 +160,10 @@ def recall(
                 at = [r for r in results if r.length == length]
                 hits = sum(r.found for r in at)
                 found[variant.name].append((hits, len(at)))
-                cells.append(f"{hits}/{len(at)} ({sum(r.loglikelihood for r in at) / len(at):.1f})")
+                by_depth = "".join("Y" if r.found else "N" for r in at)
+                cells.append(
+                    f"{hits}/{len(at)} {by_depth} ({sum(r.loglikelihood for r in at) / len(at):.1f})"
+                )
             bar.write(f"| {variant.name} | {' | '.join(cells)} |")
     within = [i for i, n in enumerate(lengths) if train_length is None or n <= train_length]
     first = variants[0] if variants else None

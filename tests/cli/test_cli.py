@@ -423,6 +423,8 @@ def test_compare_reports_recall_beside_perplexity(model_dir, data_file, tmp_path
     saved = json.loads((out_dir / "results.json").read_text())
     first = saved["passkeys"]["unpatched"]
     assert [(r["length"], r["depth"]) for r in first] == [(256, 0.0), (256, 1.0), (512, 0.0), (512, 1.0)]
+    by_depth = ["".join("YN"[not r["found"]] for r in first if r["length"] == n) for n in (256, 512)]
+    assert [cell.split()[1] for cell in recall_table.splitlines()[2][2:-2].split(" | ")[1:]] == by_depth
     assert all(isinstance(r["found"], bool) and r["loglikelihood"] < 0 for r in first)
     assert (out_dir / "passkeys.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -551,6 +551,7 @@ def assert_unchanged(model, before) -> None:
     [
         (lambda: tiny_model("bert"), "is an encoder"),
         (lambda: tiny_model("modernbert"), "is an encoder"),
+        (lambda: tiny_model("roformer"), "is an encoder"),
         (lambda: zoo_model("gpt2"), "has no RoPE"),
         (lambda: zoo_model("cohere2"), "does not compute cos/sin from inv_freq in the usual layout"),
         (lambda: sharp_model(attn="flex_attention"), "ReRoPE .* needs eager or sdpa attention"),

@@ -20,7 +20,9 @@ def rerope_rotaries(
     ValueError, saying why, where ReRoPE cannot serve the model."""
     name = f"{type(root).__name__} (model_type {root.config.model_type!r})"
     check_rerope_backend(root.config._attn_implementation)
-    if not all(getattr(m, "is_causal", True) for m in modules):
+    if not all(
+        getattr(m, "is_causal", getattr(m, "is_decoder", True)) for m in modules
+    ):  # RoFormer: is_decoder
         raise ValueError(
             f"rerope_window: {name} is an encoder; ReRoPE is for RoPE decoders (an encoder's keys lie on both "
             "sides of each query). Use the scale options alone."
