@@ -15,7 +15,11 @@ from torch import nn
 from hf_attnscale.core.call.backends import check_backend
 from hf_attnscale.core.call.rope import ROPE_FUNCTION, RotateFn, family_rope, family_rotation, no_rotation
 from hf_attnscale.core.call.state import state_of
-from hf_attnscale.core.install.families import attention_modules, takes_position_embeddings
+from hf_attnscale.core.install.families import (
+    attention_modules,
+    is_causal_attention,
+    takes_position_embeddings,
+)
 from hf_attnscale.core.install.installed import get_config
 from hf_attnscale.core.install.routing import applies_rope, rotary_of
 from hf_attnscale.core.install.wrappers import unwrap
@@ -49,7 +53,7 @@ def check_streaming_model(model: nn.Module) -> None:
     if get_config(root) is None:
         raise ValueError(UNPATCHED_MESSAGE)
     modules, name = attention_modules(root), f"{type(root).__name__} (model_type {root.config.model_type!r})"
-    encoder = not all(getattr(m, "is_causal", True) for m in modules)
+    encoder = not all(is_causal_attention(m) for m in modules)
     if encoder or not all(takes_position_embeddings(m) for m in modules):
         what = "an encoder" if encoder else "a decoder whose attention takes no RoPE position_embeddings"
         raise ValueError(f"SinkCache needs a RoPE decoder; {name} is {what}.")

@@ -109,3 +109,10 @@ def test_streaming_every_decoder_with_local_layers(model_type):
     chunked = hfa.perplexity(model, ids[0], cache=hfa.SinkCache(2, 6), chunk_size=7, progress=False).nll
     stepped = hfa.perplexity(model, ids[0], cache=hfa.SinkCache(2, 6), chunk_size=1, progress=False).nll
     assert float((chunked - stepped).abs().max()) < 1e-4
+
+
+def test_a_rope_encoder_is_refused_as_an_encoder():
+    """RoFormer's attention says ``is_decoder``, not ``is_causal``: still an encoder, refused as one."""
+    model = hfa.patch(zoo_model("roformer", "eager"))
+    with pytest.raises(ValueError, match=r"SinkCache needs a RoPE decoder; RoFormer\w* .* is an encoder\.$"):
+        check_streaming_model(model)

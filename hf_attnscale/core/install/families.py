@@ -136,6 +136,11 @@ def gate_features(module: nn.Module, model_config: Any) -> tuple[int, int]:
     return width, head_dim or model_config.hidden_size // query_heads(module, model_config)
 
 
+def is_causal_attention(module: nn.Module) -> bool:
+    """Whether the attention module is a decoder's (``is_causal``; RoFormer's says ``is_decoder``)."""
+    return getattr(module, "is_causal", getattr(module, "is_decoder", True))
+
+
 def takes_position_embeddings(module: nn.Module) -> bool:
     """Whether the module's forward receives RoPE's ``(cos, sin)``: where StreamingLLM's pos-shift can act."""
     forward = inspect.unwrap(type(module).forward)

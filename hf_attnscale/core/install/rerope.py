@@ -9,7 +9,7 @@ from torch import nn
 
 from hf_attnscale.core.call.rerope import check_rerope_backend
 from hf_attnscale.core.call.rope import ROPE_FUNCTION, RotaryFrequencies, family_rope
-from hf_attnscale.core.install.families import Rotary
+from hf_attnscale.core.install.families import Rotary, is_causal_attention
 from hf_attnscale.core.install.routing import applies_rope
 
 
@@ -20,9 +20,7 @@ def rerope_rotaries(
     ValueError, saying why, where ReRoPE cannot serve the model."""
     name = f"{type(root).__name__} (model_type {root.config.model_type!r})"
     check_rerope_backend(root.config._attn_implementation)
-    if not all(
-        getattr(m, "is_causal", getattr(m, "is_decoder", True)) for m in modules
-    ):  # RoFormer: is_decoder
+    if not all(is_causal_attention(m) for m in modules):
         raise ValueError(
             f"rerope_window: {name} is an encoder; ReRoPE is for RoPE decoders (an encoder's keys lie on both "
             "sides of each query). Use the scale options alone."
