@@ -4,6 +4,12 @@ window that evicted the key) does not.
 
 The filler is the classic passkey test's repeated sentences; each prompt is sized in the evaluated model's
 own tokens, and the keys come from a seeded generator, so a prompt set is the same on every machine.
+
+The needle is never directly before the question: at least one filler unit separates them, so depth 1 (the
+last place) still measures reading, not an echo of the needle's last sentence ("... 15306 is the pass key. What
+is the pass key? The pass key is" makes SmolLM2, unchanged at 4k, write " the pass key" where it knows the key).
+That is version 2 of these prompts; version 1 put depth 1's needle right before the question, and differs from
+version 2 at depth 1 only.
 """
 
 from __future__ import annotations
@@ -45,7 +51,8 @@ def passkey_prompts(
     """``per_cell`` prompts for each length (in ``tokenizer``'s tokens, its special tokens included) and depth.
 
     The haystack holds as many filler units as fit beside the key and the question; the key's sentence goes
-    after ``round(depth * units)`` of them. Raises ValueError for a length too short for the key and question.
+    after ``round(depth * units)`` of them, but never after the last: at least one unit stays between it and
+    the question (`needle_units_before`). Raises ValueError for a length too short for the key and question.
     """
     rng = random.Random(seed)
 
@@ -66,10 +73,16 @@ def passkey_prompts(
                 raise ValueError(f"Depths are fractions of the haystack, from 0 to 1; got {depth}.")
             for _ in range(per_cell):
                 key = str(rng.randint(10000, 99999))
-                before = round(depth * units)
+                before = needle_units_before(depth, units)
                 context = FILLER * before + NEEDLE.format(key=key) + FILLER * (units - before) + QUESTION
                 prompts.append(Passkey(context, key, length, depth))
     return prompts
+
+
+def needle_units_before(depth: float, units: int) -> int:
+    """How many of a haystack's ``units`` filler units precede the needle at ``depth``: ``round(depth * units)``,
+    at most ``units - 1``, so that the needle is never directly before the question."""
+    return min(round(depth * units), units - 1)
 
 
 @dataclass(frozen=True)
@@ -92,10 +105,10 @@ def passkey_recall(
     chunk_size: int = 512,
 ) -> Recall:
     """Score ``prompt`` under ``model`` (read densely, or streamed through ``cache``, as `perplexity` reads): the
-    key's tokens after the context, each predicted from everything before it."""
+    key's tokens after the context, each predicted from everything before it. Only the key's positions reach the
+    output layer: a long haystack costs no logits over the vocabulary at each of its tokens."""
     context = tokenizer(prompt.context)["input_ids"]
     key = tokenizer(" " + prompt.key, add_special_tokens=False)["input_ids"]
     ids = torch.tensor([context + key])
-    scored = perplexity(model, ids, cache, chunk_size=chunk_size, progress=False)
-    found = bool(scored.greedy[-len(key) :].all())
-    return Recall(prompt.length, prompt.depth, found, -scored.nll[-len(key) :].double().sum().item())
+    scored = perplexity(model, ids, cache, chunk_size=chunk_size, score_last=len(key), progress=False)
+    return Recall(prompt.length, prompt.depth, bool(scored.greedy.all()), -scored.nll.double().sum().item())

@@ -10,6 +10,7 @@ tokens from scratch: the sliding window with re-computation that StreamingLLM re
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from collections.abc import Sequence
@@ -43,7 +44,8 @@ class PerplexityResult:
     """Per-token negative log-likelihoods of one stream.
 
     Attributes:
-        nll: float32 ``(T-1,)``: ``nll[t]`` is ``-log p(token t+1 | what the method lets it see)``.
+        nll: float32 ``(T-1,)``: ``nll[t]`` is ``-log p(token t+1 | what the method lets it see)``; with
+            ``score_last=N``, ``(N,)``: the stream's last N tokens' only.
         method: how it was computed (``"stream"``, ``"dense"`` or ``"recompute"``).
         seconds: wall time of the evaluation.
         details: the settings that produced it (cache size, chunk size, window...).
@@ -84,6 +86,7 @@ def perplexity(
     method: Method | None = None,
     window: int | None = None,
     max_length: int | None = None,
+    score_last: int | None = None,
     progress: bool | None = None,
 ) -> PerplexityResult:
     """Per-token NLL of one token stream under a causal LM.
@@ -101,6 +104,10 @@ def perplexity(
             ``window``).
         window: tokens each re-encoded window holds for "recompute", the predicted token's context included.
         max_length: score only the first ``max_length`` tokens (the dense baseline's memory grows with T).
+        score_last: score only the stream's last N tokens (a continuation after its context, as a passkey or a
+            loglikelihood request): the output layer then runs on the positions that predict them and no
+            other (transformers' ``logits_to_keep``), so a long context costs no T × V logits. None: every
+            token.
         progress: show a tqdm bar (None: only on a terminal).
 
     Example:
@@ -116,6 +123,8 @@ def perplexity(
         ids = ids[:, : check_int("max_length", max_length, 2)]
     if ids.shape[1] < 2:
         raise ValueError("Perplexity needs a stream of at least 2 tokens.")
+    total = ids.shape[1] - 1
+    first = total - min(check_int("score_last", score_last, 1), total) if score_last is not None else 0
 
     if method == "stream":
         if not isinstance(cache, SinkCache):
@@ -126,15 +135,15 @@ def perplexity(
             )
         check_streaming_model(model)
         details = {"sink_tokens": cache.sink_tokens, "window": cache.window, "chunk_size": chunk_size}
-        run = lambda bar: _chunked(model, ids, cache, chunk_size, bar)  # noqa: E731
+        run = lambda bar: _chunked(model, ids, cache, chunk_size, first, bar)  # noqa: E731
     elif cache is not None:
         raise ValueError(f"method={method!r} takes no cache.")
     elif method == "dense" and rope_rescales_with_length(model):
         details = {"chunk_size": None}  # the whole stream in one call, as one forward reads it
-        run = lambda bar: _one_call(model, ids, bar)  # noqa: E731
+        run = lambda bar: _one_call(model, ids, first, bar)  # noqa: E731
     elif method == "dense":
         details = {"chunk_size": chunk_size}
-        run = lambda bar: _chunked(model, ids, DynamicCache(config=model.config), chunk_size, bar)  # noqa: E731
+        run = lambda bar: _chunked(model, ids, DynamicCache(config=model.config), chunk_size, first, bar)  # noqa: E731
     else:
         if window is None:
             raise ValueError(
@@ -142,13 +151,13 @@ def perplexity(
             )
         window = check_int("window", window, 1)
         details = {"window": window}
-        run = lambda bar: _recompute(model, ids, window, bar)  # noqa: E731
+        run = lambda bar: _recompute(model, ids, window, bar, first)  # noqa: E731
 
     start = time.perf_counter()
     with (
         torch.no_grad(),
         tqdm(
-            total=ids.shape[1] - 1,
+            total=total,
             desc=f"ppl ({method})",
             unit="tok",
             disable=None if progress is None else not progress,
@@ -177,25 +186,48 @@ Scores = tuple[torch.Tensor, torch.Tensor]
 """Per-token NLL (float32) and whether each target is the argmax (bool), both ``(T-1,)``."""
 
 
-def _chunked(model: nn.Module, ids: torch.Tensor, cache, chunk_size: int, bar) -> Scores:
-    """Feed ``ids[:-1]`` in chunks through ``cache``; the last token is only a target."""
+def _chunked(model: nn.Module, ids: torch.Tensor, cache, chunk_size: int, first: int, bar) -> Scores:
+    """Feed ``ids[:-1]`` in chunks through ``cache``; the last token is only a target. Only the predictions of
+    tokens ``first + 1`` onwards are scored: a chunk before them keeps one row of logits."""
     total = ids.shape[1] - 1
-    nll = torch.empty(total, dtype=torch.float32, device=ids.device)
-    greedy = torch.empty(total, dtype=torch.bool, device=ids.device)
+    nll = torch.empty(total - first, dtype=torch.float32, device=ids.device)
+    greedy = torch.empty(total - first, dtype=torch.bool, device=ids.device)
     with_cache = {cache_argument(model): cache}
     for start in range(0, total, chunk_size):
         stop = min(start + chunk_size, total)
-        logits = model(input_ids=ids[:, start:stop], use_cache=True, **with_cache).logits[0]
-        nll[start:stop], greedy[start:stop] = _token_scores(logits, ids[0, start + 1 : stop + 1])
+        scored = max(start, first)  # the chunk's first scored row
+        logits = logit_rows(model, ids[:, start:stop], stop - scored, use_cache=True, **with_cache)[0]
+        if scored < stop:
+            rows = slice(scored - first, stop - first)
+            nll[rows], greedy[rows] = _token_scores(logits[scored - stop :], ids[0, scored + 1 : stop + 1])
         bar.update(stop - start)
     return nll, greedy
 
 
-def _one_call(model: nn.Module, ids: torch.Tensor, bar) -> Scores:
-    """The whole stream in one forward, as ``model(ids)`` reads it; the last token's logits are not scored."""
-    logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
-    bar.update(logits.shape[0])
-    return _token_scores(logits, ids[0, 1:])
+def _one_call(model: nn.Module, ids: torch.Tensor, first: int, bar) -> Scores:
+    """The whole stream in one forward, as ``model(ids)`` reads it; the last token's logits are not scored, nor
+    those before ``first``."""
+    total = ids.shape[1] - 1
+    logits = logit_rows(model, ids, total - first + 1, use_cache=False)[0, -(total - first) - 1 : -1]
+    bar.update(total)
+    return _token_scores(logits, ids[0, first + 1 :])
+
+
+def logit_rows(model: nn.Module, input_ids: torch.Tensor, rows: int, **kwargs) -> torch.Tensor:
+    """``model``'s logits at the last ``rows`` positions of ``input_ids`` (at least one; all where it has fewer),
+    ``(B, rows, V)``: through transformers' ``logits_to_keep`` where the model takes it, so the output layer (and
+    the family's own ending: soft-capping, logit scaling) runs on those positions only; else the whole call's
+    logits, cut."""
+    rows = min(max(rows, 1), input_ids.shape[1])
+    if takes_logits_to_keep(model):
+        return model(input_ids=input_ids, logits_to_keep=rows, **kwargs).logits[:, -rows:]
+    return model(input_ids=input_ids, **kwargs).logits[:, -rows:]
+
+
+def takes_logits_to_keep(model: nn.Module) -> bool:
+    """Whether ``model``'s forward (a PEFT model's: its base model's) takes transformers' ``logits_to_keep``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(base.forward).parameters
 
 
 def _token_scores(logits: torch.Tensor, targets: torch.Tensor) -> Scores:
@@ -210,25 +242,26 @@ def _token_scores(logits: torch.Tensor, targets: torch.Tensor) -> Scores:
     return torch.cat(nll), torch.cat(greedy)
 
 
-def _recompute(model: nn.Module, ids: torch.Tensor, window: int, bar) -> Scores:
-    """Each token predicted from its last ``window`` tokens, re-encoded from scratch at positions 0..window-1."""
+def _recompute(model: nn.Module, ids: torch.Tensor, window: int, bar, first: int = 0) -> Scores:
+    """Each token predicted from its last ``window`` tokens, re-encoded from scratch at positions 0..window-1
+    (every one: its logits are one window's last row at a time), and those from ``first`` on returned."""
     total = ids.shape[1] - 1
     nll = torch.empty(total, dtype=torch.float32, device=ids.device)
     greedy = torch.empty(total, dtype=torch.bool, device=ids.device)
     # Tokens 0..window-1 see their whole prefix: one causal call scores them all exactly.
     head = min(window, total)
-    logits = model(input_ids=ids[:, :head], use_cache=False).logits
+    logits = logit_rows(model, ids[:, :head], head, use_cache=False)
     nll[:head], greedy[:head] = _token_scores(logits[0], ids[0, 1 : head + 1])
     bar.update(head)
     windows = ids[0].unfold(0, window, 1)  # windows[s] = ids[s : s + window]; it predicts ids[s + window]
     per_call = max(1, RECOMPUTE_TOKENS_PER_CALL // window)
-    for first in range(1, total - window + 1, per_call):
-        last = min(first + per_call, total - window + 1)
-        logits = model(input_ids=windows[first:last], use_cache=False, logits_to_keep=1).logits[:, -1]
-        scored = slice(first + window - 1, last + window - 1)
-        nll[scored], greedy[scored] = _token_scores(logits, ids[0, first + window : last + window])
-        bar.update(last - first)
-    return nll, greedy
+    for begin in range(1, total - window + 1, per_call):
+        end = min(begin + per_call, total - window + 1)
+        logits = logit_rows(model, windows[begin:end], 1, use_cache=False)[:, -1]
+        scored = slice(begin + window - 1, end + window - 1)
+        nll[scored], greedy[scored] = _token_scores(logits, ids[0, begin + window : end + window])
+        bar.update(end - begin)
+    return nll[first:], greedy[first:]
 
 
 def segment_nll(

@@ -41,7 +41,12 @@ from hf_attnscale.core.options.config import (
 )
 from hf_attnscale.core.options.validation import check_int
 from hf_attnscale.evaluation.mlm import pseudo_log_likelihood
-from hf_attnscale.evaluation.perplexity import PerplexityResult, perplexity
+from hf_attnscale.evaluation.perplexity import (
+    PerplexityResult,
+    logit_rows,
+    perplexity,
+    takes_logits_to_keep,
+)
 from hf_attnscale.evaluation.positions import position_buckets as read_buckets
 from hf_attnscale.evaluation.processes import join_processes
 from hf_attnscale.evaluation.variants import unchanged_within
@@ -273,15 +278,17 @@ class HFAttnScaleLM(HFLM):
             pieces.append(self._score([*context, *predicted]).nll[-len(predicted) :])
         return torch.cat(pieces)
 
-    def _score(self, ids: list[int]) -> PerplexityResult:
-        """Per-token scores of one token sequence (at least 2): streamed through a fresh `SinkCache` with a
-        ``window``, else read densely (`hf_attnscale.perplexity`, ``chunk_size`` tokens per call)."""
+    def _score(self, ids: list[int], score_last: int | None = None) -> PerplexityResult:
+        """Per-token scores of one token sequence (at least 2), of its last ``score_last`` tokens only where
+        given: streamed through a fresh `SinkCache` with a ``window``, else read densely
+        (`hf_attnscale.perplexity`, ``chunk_size`` tokens per call)."""
         self._read(len(ids))
         return perplexity(
             self.model,
             torch.tensor(ids, dtype=torch.long),
             cache=SinkCache(self.sink_tokens, self.window) if self.streaming else None,
             chunk_size=self.chunk_size,
+            score_last=score_last,
             progress=False,
         )
 
@@ -319,11 +326,19 @@ class HFAttnScaleLM(HFLM):
         """``(log-likelihood of the continuation, whether each of its tokens is the argmax)`` per request.
 
         ``requests`` are HFLM's ``((context, continuation), context tokens, continuation tokens)``, encoded by
-        HFLM's ``loglikelihood``. Without a ``window``, HFLM scores them (cut to ``max_length`` from the left);
-        with one, each context + continuation is streamed whole through a fresh `SinkCache`, uncut.
+        HFLM's ``loglikelihood``. Without a ``window``, HFLM scores them (cut to ``max_length`` from the left,
+        in its batches), its model calls computing logits only where continuations are (`_model_call`); with
+        one, each context + continuation is streamed whole through a fresh `SinkCache`, uncut, and only the
+        continuation's positions reach the output layer.
         """
         if not self.streaming:
-            return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+            self._longest_continuation = max((len(cont) for _, _, cont in requests), default=0)
+            try:
+                return super()._loglikelihood_tokens(
+                    requests, disable_tqdm=disable_tqdm, override_bs=override_bs
+                )
+            finally:
+                self._longest_continuation = None
         results = []
         bar = tqdm(requests, desc="streaming loglikelihood requests", disable=disable_tqdm or self.rank != 0)
         for request_str, context_enc, continuation_enc in bar:
@@ -332,9 +347,8 @@ class HFAttnScaleLM(HFLM):
                     "A loglikelihood request needs context and continuation tokens; got "
                     f"{len(context_enc)} and {len(continuation_enc)}."
                 )
-            scored = self._score([*context_enc, *continuation_enc])
-            count = len(continuation_enc)  # the continuation's tokens are the last `count` predicted
-            answer = (-scored.nll[-count:].double().sum().item(), bool(scored.greedy[-count:].all()))
+            scored = self._score([*context_enc, *continuation_enc], score_last=len(continuation_enc))
+            answer = (-scored.nll.double().sum().item(), bool(scored.greedy.all()))
             if request_str is not None:
                 self.cache_hook.add_partial("loglikelihood", request_str, answer)
             results.append(answer)
@@ -349,8 +363,29 @@ class HFAttnScaleLM(HFLM):
         return results
 
     def _model_call(self, inps: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """HFLM's model call on a right-padded batch of loglikelihood requests: the logits of the batch's last
+        positions only, from the first that predicts a continuation token of any row (`_rows_to_keep`), not
+        ``(B, T, V)``. HFLM reads a shorter logits tensor as ending where the batch ends (its slicing allows for
+        prefix tokens), so its answers stay its own."""
         self._read(inps.shape[-1])  # HFLM's dense loglikelihood batches (right-padded to the longest)
-        return super()._model_call(inps, *args, **kwargs)
+        rows = self._rows_to_keep(inps)
+        if args or kwargs or rows is None or not takes_logits_to_keep(self.model):
+            return super()._model_call(inps, *args, **kwargs)
+        mixed = getattr(self, "mixed_precision_dtype", None)  # HFLM's autocast, as its own call takes it
+        with torch.no_grad(), torch.autocast(self.device.type, dtype=mixed, enabled=mixed is not None):
+            return logit_rows(self.model, inps, rows)
+
+    def _rows_to_keep(self, inps: torch.Tensor) -> int | None:
+        """How many last positions of ``inps`` (HFLM's batch, right-padded with zeros) hold every row's
+        continuation, at most `_longest_continuation` tokens before each row's end; None outside
+        ``_loglikelihood_tokens`` (HFLM's batch size probe). A row's end is taken after its last nonzero token:
+        a real token 0 at its end only keeps more rows than needed, never fewer."""
+        longest = getattr(self, "_longest_continuation", None)
+        if not longest:
+            return None
+        positions = torch.arange(1, inps.shape[-1] + 1, device=inps.device)
+        ends = (positions * (inps != 0)).amax(dim=-1)  # each row's last nonzero token, counted from 1
+        return int(inps.shape[-1] - (ends - longest).clamp(min=0).min())
 
     def _model_generate(
         self, context: torch.Tensor, max_length: int, *args: Any, **kwargs: Any

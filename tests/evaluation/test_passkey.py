@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -30,9 +31,31 @@ def test_prompts_have_the_length_the_key_at_its_depth_and_are_reproducible(token
         assert p.context.count(p.key) == 2 and p.context.endswith(QUESTION)
         before, _, after = p.context.partition(NEEDLE.format(key=p.key))
         units = before.count(FILLER) + after.count(FILLER)
-        assert before.count(FILLER) == round(p.depth * units)
+        assert before == FILLER * before.count(FILLER) and after == FILLER * after.count(FILLER) + QUESTION
+        assert before.count(FILLER) == (round(p.depth * units) if p.depth < 1 else units - 1)
+        assert NEEDLE.format(key=p.key) + QUESTION not in p.context  # never directly before the question
     assert passkey_prompts(tokenizer, [512, 2048], [0.0, 0.5, 1.0], per_cell=2, seed=3) == prompts
     assert len({p.key for p in prompts}) > 1
+
+
+def test_version_2_moves_only_the_last_depths_needle_one_unit_back(tokenizer):
+    """Version 1's prompts, written out here as they were built (the needle after ``round(depth * units)``
+    units, the same seeded keys): every prompt below depth 1 is byte-identical in version 2, so results at
+    those depths stand; at depth 1 the needle moves before the last unit, which now separates it from the
+    question."""
+    depths = [0.0, 0.25, 0.5, 0.75, 1.0]
+    prompts = passkey_prompts(tokenizer, [4096, 16384], depths, per_cell=2, seed=0)
+    rng = random.Random(0)
+    for p in prompts:
+        units = p.context.count(FILLER)
+        needle = NEEDLE.format(key=str(rng.randint(10000, 99999)))
+        before = round(p.depth * units)
+        version_1 = FILLER * before + needle + FILLER * (units - before) + QUESTION
+        if p.depth < 1:
+            assert p.context == version_1
+        else:
+            assert version_1.endswith(needle + QUESTION)
+            assert p.context == FILLER * (units - 1) + needle + FILLER + QUESTION
 
 
 def test_bad_lengths_and_depths_are_one_line(tokenizer):
@@ -70,23 +93,32 @@ def test_recall_is_the_keys_argmax_and_log_likelihood(tokenizer, favoured):
     argmax, and the key's log-likelihood summed over its tokens. The shipped model finds no key; a bias of 30 on
     the key's tokens in its logits makes it find the key only where every key token has it."""
     model = AutoModelForCausalLM.from_pretrained(default_model_path()).eval()
-    prompt = passkey_prompts(tokenizer, [120], [0.5], seed=1)[0]
+    prompt = passkey_prompts(tokenizer, [120], [0.5], seed=1)[0]  # read in chunks of 32 below
     key = tokenizer(" " + prompt.key, add_special_tokens=False)["input_ids"]
     ids = torch.tensor([tokenizer(prompt.context)["input_ids"] + key])
     count = {"none": 0, "all-but-the-last": len(key) - 1, "all": len(key)}[favoured]
     rows = torch.arange(ids.shape[1] - 1 - len(key), ids.shape[1] - 1)[:count]  # the key's tokens' rows
 
-    def bias(module, args, logits):
-        logits[0, rows, ids[0, rows + 1]] += 30.0
+    call_end = []  # the position after each model call's last input token
+
+    def call(module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        call_end.append((cache.get_seq_length() if cache is not None else 0) + kwargs["input_ids"].shape[1])
+
+    def bias(module, args, logits):  # the logits of the call's last positions (all, or those it keeps)
+        first = call_end[-1] - logits.shape[1]
+        inside = rows[(rows >= first) & (rows < call_end[-1])]
+        logits[0, inside - first, ids[0, inside + 1]] += 30.0
         return logits
 
+    model.register_forward_pre_hook(call, with_kwargs=True)
     model.lm_head.register_forward_hook(bias)
     with torch.no_grad():
-        logits = model(ids).logits[0, :-1][-len(key) :]
+        logits = model(input_ids=ids).logits[0, :-1][-len(key) :]
     targets = ids[0, -len(key) :]
     want_found = bool((logits.argmax(-1) == targets).all())
     want = logits.double().log_softmax(-1).gather(-1, targets[:, None]).sum().item()
-    got = passkey_recall(model, tokenizer, prompt)
+    got = passkey_recall(model, tokenizer, prompt, chunk_size=32)
     assert got.found == want_found == (favoured == "all")
     assert abs(got.loglikelihood - want) < 1e-4, (got.loglikelihood, want)
     assert (got.length, got.depth) == (120, 0.5)

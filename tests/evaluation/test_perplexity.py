@@ -133,6 +133,7 @@ def test_bad_arguments_raise():
         {"method": "recompute"},
         {"method": "dense", "cache": hfa.SinkCache(2, 4)},
         {"max_length": 1},
+        {"score_last": 0},
     ]
     for kwargs in cases:
         with pytest.raises(ValueError):
@@ -178,3 +179,38 @@ def test_dense_equals_one_call_whatever_the_rope(rope):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     moved = (chunked - want).abs().max().item()
     assert moved > 1e-2 if rope["rope_type"] == "dynamic" else moved < 1e-5
+
+
+@pytest.mark.parametrize(
+    "method", ["dense", "dense, read in one call", "stream", "recompute"], ids=lambda m: m.replace(" ", "-")
+)
+def test_the_last_tokens_alone_score_as_in_the_whole_read_with_logits_only_where_they_are_read(method):
+    """``score_last=N`` (a passkey, a loglikelihood request): the last N tokens' NLL and greedy flags as the read
+    of every token gives them, N crossing a chunk boundary, while the output layer computes logits only at
+    positions that predict them (and one row per chunk before): never every position of a chunk."""
+    rope = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 100.0} if "one call" in method else None
+    overrides = {"max_position_embeddings": 16, "rope_parameters": rope} if rope else {}
+    model = sharp_model("llama", **overrides)
+    if method == "stream":
+        hfa.patch(model)
+    ids = torch.randint(2, SHARP_VOCAB, (1, 70))
+    options = {
+        "dense": {"chunk_size": 16},
+        "dense, read in one call": {"chunk_size": 16},
+        "stream": {"cache": hfa.SinkCache(2, 10), "chunk_size": 16},
+        "recompute": {"method": "recompute", "window": 12},
+    }[method]
+    whole = hfa.perplexity(model, ids, progress=False, **options)
+    if "cache" in options:
+        options["cache"] = hfa.SinkCache(2, 10)
+    rows: list[int] = []
+    model.lm_head.register_forward_hook(lambda m, args, out: rows.append(out.shape[-2]))
+    last = hfa.perplexity(model, ids, progress=False, score_last=20, **options)
+    torch.testing.assert_close(last.nll, whole.nll[-20:], atol=1e-5, rtol=0)
+    assert torch.equal(last.greedy, whole.greedy[-20:]) and last.nll.shape == (20,)
+    if method == "recompute":  # a window's last row each; the first window's own rows: all scored
+        assert max(rows[1:]) == 1
+    elif rope:  # one call: the 20 scored rows and the last, not 69
+        assert rows == [21]
+    else:  # chunks of 16 over 69 positions: 1, 1, 1 (before the 20), 4 of the fourth chunk, all 5 of the last
+        assert rows == [1, 1, 1, 15, 5]

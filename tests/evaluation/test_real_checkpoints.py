@@ -50,6 +50,7 @@ from hf_attnscale.checkpoints.real import (
 from hf_attnscale.core.call import key_parts
 from hf_attnscale.core.install.families import attention_modules
 from hf_attnscale.evaluation.corpus import builtin_documents
+from hf_attnscale.evaluation.passkey import passkey_prompts
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true")
 DECODERS = ["smollm2-135m", "gemma3-270m"]
@@ -282,6 +283,47 @@ def test_generate_with_a_sink_cache(decoders):
     generated = torch.stack(out.logits, dim=1)
     torch.testing.assert_close(generated, streamed[:, 23:], atol=STREAM_ATOL, rtol=0)
     assert all(layer.keys.shape[-2] <= SINKS + WINDOW for layer in cache.layers)
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_lm_eval_scores_as_stock_hflm_with_logits_only_where_they_are_read(decoders, name):
+    """The hf-attnscale model type's dense loglikelihood against stock lm-eval HFLM on the same weights:
+    right-padded batches of real text and a passkey prompt, log-likelihood within 1e-4 nats per token and the
+    same is_greedy, while the output layer runs only at the batch's last positions, from the shortest
+    request's continuation on (stock: at every position). generate_until reads one row per step."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from hf_attnscale.integrations.lm_eval_model import HFAttnScaleLM
+
+    model, tokenizer = decoders[name]
+    text = builtin_documents("heldout")[1].text
+    prompt = passkey_prompts(tokenizer, [300], [1.0], seed=0)[0]
+    pairs = [(text[:900], text[900:940]), (text[:800], text[800:805]), (prompt.context, " " + prompt.key)]
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    rows: list[int] = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, a, out: rows.append(out.shape[-2]))
+    try:
+        stock = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=2).loglikelihood(requests)
+        stock_rows, rows[:] = list(rows), []
+        ours_lm = HFAttnScaleLM(pretrained=model, tokenizer=tokenizer, batch_size=2)
+        ours = ours_lm.loglikelihood(requests)
+        ours_rows, rows[:] = list(rows), []
+        generated = ours_lm.generate_until(
+            [Instance("generate_until", {}, (pairs[0][0], {"until": ["\n\n"], "max_gen_toks": 4}), 0)]
+        )
+    finally:
+        hook.remove()
+    continuations = [len(tokenizer(c, add_special_tokens=False)["input_ids"]) for _, c in pairs]
+    assert [g for _, g in ours] == [g for _, g in stock]
+    for (mine, _), (theirs, _), count in zip(ours, stock, continuations):
+        assert abs(mine - theirs) <= 1e-4 * count, (mine, theirs)
+    lengths = [len(tokenizer(c + x)["input_ids"]) - 1 for c, x in pairs]
+    assert max(stock_rows) == max(lengths), stock_rows
+    bound = max(lengths) - min(lengths) + max(continuations)  # the padded batch's last rows, at most
+    assert max(ours_rows) <= bound < max(lengths) // 2, (ours_rows, bound)
+    assert generated[0] and set(rows) == {1}, rows  # generate: the last position only, at every step
 
 
 def gemma3_with_local_window(checkpoints, window: int) -> torch.nn.Module:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -244,14 +245,79 @@ def test_a_streamed_request_is_greedy_where_each_continuation_token_is_the_strea
     assert [is_greedy for _, is_greedy in results] == expected == [True, False]
 
 
-def test_without_a_window_loglikelihood_is_lm_evals_own(tiny, long_pairs):
-    model, tokenizer = tiny
-    hfa.unpatch(model)
-    requests = loglikelihood_requests(long_pairs)
-    ours = HFAttnScaleLM(pretrained=model, tokenizer=tokenizer, max_length=MAX_LENGTH, batch_size=2)
+def output_rows(model) -> list[int]:
+    """The positions each call of ``model``'s output layer computes logits at, appended as it runs."""
+    rows: list[int] = []
+    model.get_output_embeddings().register_forward_hook(lambda m, args, out: rows.append(out.shape[-2]))
+    return rows
+
+
+def assert_same_answers(ours: list, theirs: list, continuations: list[int]) -> None:
+    """lm-eval's answers, as stock HFLM gives them: log-likelihood within 1e-4 nats per token, the same
+    is_greedy."""
+    assert [greedy for _, greedy in ours] == [greedy for _, greedy in theirs]
+    for (mine, _), (stock, _), count in zip(ours, theirs, continuations):
+        assert abs(mine - stock) <= 1e-4 * count, (mine, stock)
+
+
+# Families whose causal LM ends its own way after the output layer: tied embeddings, Gemma-2's final
+# soft-capping, Cohere's logit scale, Granite's logits scaling. Weights 10x wider than the default, so that the
+# scores differ from token to token.
+ENDINGS = {
+    "llama": {"tie_word_embeddings": True},
+    "gemma2": {"final_logit_softcapping": 5.0, "head_dim": 8},
+    "cohere": {"logit_scale": 0.5},
+    "granite": {"logits_scaling": 4.0},
+}
+
+
+@pytest.mark.parametrize("model_type", ENDINGS)
+def test_without_a_window_loglikelihood_is_lm_evals_own_without_logits_over_the_context(
+    model_type, tiny, long_pairs
+):
+    """HFLM's dense loglikelihood, its right-padded batches and its cut to max_length included, with the output
+    layer run only where continuations are: the answers stock HFLM gives, and no call computes logits at every
+    position (it used to, (B, T, V), and log-softmax them whole)."""
+    _, tokenizer = tiny
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(
+        model_type,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        pad_token_id=tokenizer.pad_token_id,
+        **ENDINGS[model_type],
+    )
+    attention = "eager" if model_type == "gemma2" else "sdpa"  # Gemma-2 refuses sdpa
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
+    pairs = [*long_pairs, (long_pairs[1][0][:300].rstrip(), " import os")]
+    continuations = [len(encoded(tokenizer, *pair)[1]) for pair in pairs]
+    lengths = [sum(map(len, encoded(tokenizer, *pair))) - 1 for pair in pairs]
+    max_length = 128  # three requests are longer, cut from the left as HFLM cuts them; one is shorter
+    assert sorted(lengths)[0] < max_length < sorted(lengths)[1]
+    rows = output_rows(model)
+    theirs = HFLM(pretrained=model, tokenizer=tokenizer, max_length=max_length, batch_size=4)
+    stock = theirs.loglikelihood(loglikelihood_requests(pairs))
+    assert rows == [max_length]  # stock: logits at every position of one right-padded batch
+    rows.clear()
+    ours = HFAttnScaleLM(pretrained=model, tokenizer=tokenizer, max_length=max_length, batch_size=3)
     assert not ours.streaming and hfa.get_config(model) is None
-    theirs = HFLM(pretrained=model, tokenizer=tokenizer, max_length=MAX_LENGTH, batch_size=2)
-    assert ours.loglikelihood(requests) == theirs.loglikelihood(requests)
+    assert_same_answers(ours.loglikelihood(loglikelihood_requests(pairs)), stock, continuations)
+    # The three cut requests in one batch: the rows of the longest continuation. Then the short one alone.
+    assert rows == [max(continuations), min(lengths)]
+    rows.clear()
+    padded = HFAttnScaleLM(pretrained=model, tokenizer=tokenizer, max_length=max_length, batch_size=4)
+    assert_same_answers(padded.loglikelihood(loglikelihood_requests(pairs)), stock, continuations)
+    assert rows == [max_length]  # the short request right-padded: its continuation is far from the end
+    rows.clear()
+    alone = HFAttnScaleLM(pretrained=model, tokenizer=tokenizer, max_length=max_length, batch_size=1)
+    assert_same_answers(alone.loglikelihood(loglikelihood_requests(pairs)), stock, continuations)
+    assert max(rows) == max(continuations)  # one request a call: its longest continuation's rows at most
 
 
 def test_a_patch_that_changes_nothing_at_the_lengths_read_says_so(capsys):
