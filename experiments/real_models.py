@@ -20,6 +20,8 @@ Sections (`real/`):
   retrofit   Bondarenko et al.'s Table 2 as a retrofit: every cure (exits, clipped softmax, gates) fine-tuned in
   rerope     ReRoPE with logn (Su's recipe) against YaRN and dynamic NTK: perplexity by position, passkeys on
              three seeds, time and peak memory per cell
+  depth100   the depth-100% passkeys of recall and rerope again, on version 2 of the prompts (the needle never
+             directly before the question)
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from real import dense, finetune, million, outliers, recall, rerope, retrofit, streams
+from real import dense, depth100, finetune, million, outliers, recall, rerope, retrofit, streams
 from real.context import TRAINED_LENGTH, Context
 from real.texts import TEXTS
 
@@ -47,6 +49,7 @@ SECTIONS: dict[str, Callable[[Context], str]] = {
     "retrofit": retrofit.run,
     "recall": recall.run,
     "rerope": rerope.run,
+    "depth100": depth100.run,
 }
 
 
