@@ -27,7 +27,7 @@ from hf_attnscale.core.install.offload import run_device
 from hf_attnscale.core.install.routing import cache_argument
 from hf_attnscale.core.options.validation import check_int
 from hf_attnscale.streaming.cache import SinkCache
-from hf_attnscale.streaming.rope import rope_rescales_with_length
+from hf_attnscale.streaming.rope import frequencies_of_length
 from hf_attnscale.streaming.spec import check_streaming_model
 
 Method = Literal["stream", "dense", "recompute"]
@@ -98,8 +98,9 @@ def perplexity(
             the window-only baseline.
         chunk_size: tokens per model call for "stream" and "dense" (1: the token-by-token reference; the
             results agree to ~1e-6 nats in float32 whatever the chunk size). A model whose RoPE rescales with
-            the length read (``rope_type`` dynamic NTK or LongRoPE) is read densely in one call, all T tokens,
-            as ``model(ids)`` reads it: in chunks, its early keys would keep the frequencies of a shorter read.
+            the length read (``rope_type`` dynamic NTK or LongRoPE) is read densely in chunks at the
+            frequencies of the T - 1 tokens read (the last is only a target), as ``model(ids[:, :-1])`` and
+            lm-eval read it (`frequencies_of_length`), not at those of each chunk's end.
         method: "stream" (needs ``cache``), "dense" (default without a cache), or "recompute" (needs
             ``window``).
         window: tokens each re-encoded window holds for "recompute", the predicted token's context included.
@@ -138,12 +139,13 @@ def perplexity(
         run = lambda bar: _chunked(model, ids, cache, chunk_size, first, bar)  # noqa: E731
     elif cache is not None:
         raise ValueError(f"method={method!r} takes no cache.")
-    elif method == "dense" and rope_rescales_with_length(model):
-        details = {"chunk_size": None}  # the whole stream in one call, as one forward reads it
-        run = lambda bar: _one_call(model, ids, first, bar)  # noqa: E731
     elif method == "dense":
         details = {"chunk_size": chunk_size}
-        run = lambda bar: _chunked(model, ids, DynamicCache(config=model.config), chunk_size, first, bar)  # noqa: E731
+
+        def run(bar) -> Scores:
+            with frequencies_of_length(model, ids.shape[1] - 1):  # as one call over the tokens read would
+                return _chunked(model, ids, DynamicCache(config=model.config), chunk_size, first, bar)
+
     else:
         if window is None:
             raise ValueError(
@@ -202,15 +204,6 @@ def _chunked(model: nn.Module, ids: torch.Tensor, cache, chunk_size: int, first:
             nll[rows], greedy[rows] = _token_scores(logits[scored - stop :], ids[0, scored + 1 : stop + 1])
         bar.update(stop - start)
     return nll, greedy
-
-
-def _one_call(model: nn.Module, ids: torch.Tensor, first: int, bar) -> Scores:
-    """The whole stream in one forward, as ``model(ids)`` reads it; the last token's logits are not scored, nor
-    those before ``first``."""
-    total = ids.shape[1] - 1
-    logits = logit_rows(model, ids, total - first + 1, use_cache=False)[0, -(total - first) - 1 : -1]
-    bar.update(total)
-    return _token_scores(logits, ids[0, first + 1 :])
 
 
 def logit_rows(model: nn.Module, input_ids: torch.Tensor, rows: int, **kwargs) -> torch.Tensor:

@@ -7,7 +7,9 @@ from the rotary module's own frequencies once shown to give its output: any posi
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -27,8 +29,34 @@ def length_dependent(rotary: nn.Module) -> bool:
 
 def rope_rescales_with_length(model: nn.Module) -> bool:
     """Whether a rotary embedding of ``model`` changes its frequencies with the length read: reading it in
-    chunks through a cache then differs from reading it in one call."""
+    chunks through a cache then differs from reading it in one call, but under `frequencies_of_length`."""
     return any(length_dependent(m) for m in model.modules() if hasattr(m, "rope_type"))
+
+
+@contextlib.contextmanager
+def frequencies_of_length(model: nn.Module, length: int) -> Iterator[None]:
+    """Within it, each rotary embedding of ``model`` whose frequencies change with the length of the call
+    (`length_dependent`) gives cos/sin at the frequencies of one call over ``length`` tokens, whatever positions
+    it is asked for: a read of ``length`` tokens in chunks through a cache then rotates every query and key as one
+    call over them all would. transformers' dynamic update takes the length from the largest position asked
+    for, so each call asks for position ``length - 1`` too, and that column of cos/sin is dropped."""
+
+    def widen(rotary: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        x, positions, *rest = args if len(args) >= 2 else (*args, kwargs.pop("position_ids"))
+        last = positions.new_full((*positions.shape[:-1], 1), length - 1)
+        return (x, torch.cat([positions, last], dim=-1), *rest), kwargs
+
+    def narrow(rotary: nn.Module, args: tuple, kwargs: dict, output: tuple) -> tuple:
+        return tuple(part[..., :-1, :] for part in output)
+
+    rotaries = [m for m in model.modules() if hasattr(m, "rope_type") and length_dependent(m)]
+    handles = [rotary.register_forward_pre_hook(widen, with_kwargs=True) for rotary in rotaries]
+    handles += [rotary.register_forward_hook(narrow, with_kwargs=True) for rotary in rotaries]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 class RopeTable:

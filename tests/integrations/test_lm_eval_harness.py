@@ -320,6 +320,36 @@ def test_without_a_window_loglikelihood_is_lm_evals_own_without_logits_over_the_
     assert max(rows) == max(continuations)  # one request a call: its longest continuation's rows at most
 
 
+def test_rolling_perplexity_reads_chunks_of_logits_as_stock_hflm_reads_whole_windows(tiny, texts):
+    """Rolling loglikelihood (perplexity tasks) on a model whose RoPE rescales with the length read (dynamic
+    NTK): lm-eval's windows, each read in chunks of 16 at the whole window's frequencies, score as stock HFLM's
+    one call per window does, while no call computes logits at more than one chunk's positions."""
+    _, tokenizer = tiny
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 100.0},
+        initializer_range=0.2,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    requests = [Instance("loglikelihood_rolling", {}, (text,), i) for i, text in enumerate(texts[1:])]
+    rows = output_rows(model)
+    stock = HFLM(pretrained=model, tokenizer=tokenizer, max_length=160).loglikelihood_rolling(requests)
+    assert max(rows) == 160
+    rows.clear()
+    ours = HFAttnScaleLM(pretrained=model, tokenizer=tokenizer, max_length=160, chunk_size=16)
+    scores = ours.loglikelihood_rolling(requests)
+    assert max(rows) == 16
+    for mine, theirs in zip(scores, stock):
+        assert abs(mine - theirs) <= 1e-4 * len(mine.nll), (mine, theirs)
+
+
 def test_a_patch_that_changes_nothing_at_the_lengths_read_says_so(capsys):
     """``scale=logn`` without train_length takes the shipped model's max_position_embeddings, 128. Where no query
     sees more than 128 tokens, logn's factor is 1 and the scores are the unpatched model's: one note line says
