@@ -365,15 +365,16 @@ class HFAttnScaleLM(HFLM):
     def _model_call(self, inps: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """HFLM's model call on a right-padded batch of loglikelihood requests: the logits of the batch's last
         positions only, from the first that predicts a continuation token of any row (`_rows_to_keep`), not
-        ``(B, T, V)``. HFLM reads a shorter logits tensor as ending where the batch ends (its slicing allows for
-        prefix tokens), so its answers stay its own."""
+        ``(B, T, V)``, and no cache is kept (HFLM's own call keeps the keys and values of every layer). HFLM
+        reads a shorter logits tensor as ending where the batch ends (its slicing allows for prefix tokens),
+        so its answers stay its own."""
         self._read(inps.shape[-1])  # HFLM's dense loglikelihood batches (right-padded to the longest)
         rows = self._rows_to_keep(inps)
         if args or kwargs or rows is None or not takes_logits_to_keep(self.model):
             return super()._model_call(inps, *args, **kwargs)
         mixed = getattr(self, "mixed_precision_dtype", None)  # HFLM's autocast, as its own call takes it
         with torch.no_grad(), torch.autocast(self.device.type, dtype=mixed, enabled=mixed is not None):
-            return logit_rows(self.model, inps, rows)
+            return logit_rows(self.model, inps, rows, use_cache=False)  # a score needs no cache after it
 
     def _rows_to_keep(self, inps: torch.Tensor) -> int | None:
         """How many last positions of ``inps`` (HFLM's batch, right-padded with zeros) hold every row's
