@@ -28,7 +28,7 @@ from hf_attnscale.evaluation.passkey import passkey_prompts
 from hf_attnscale.evaluation.positions import bucket_sums, position_buckets as read_buckets
 from hf_attnscale.integrations.lm_eval_model import MODEL_TYPE, as_written
 
-PASSKEY_LENGTHS = (4096, 8192, 16384, 32768)
+PASSKEY_LENGTHS = (4096, 8192, 16384, 32768, 65536)
 PASSKEY_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 """The built-in passkey tasks' haystack lengths (each task takes one) and depths (their per-depth metrics)."""
 TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
@@ -178,9 +178,11 @@ def long_dataset(
 
     Args:
         text: ``"kjv"``, the King James Bible's 66 books (fetched from Debian on first use,
-            `hf_attnscale.evaluation.long_texts`); or ``"stdlib"``, the held-out stdlib files joined in name
-            order into documents of at least ``min_tokens`` tokens of the shipped tokenizer.
-        min_tokens: with ``"stdlib"``, the joined documents' least length.
+            `hf_attnscale.evaluation.long_texts`); ``"kjv-joined"``, the same books joined in order into
+            documents of at least ``min_tokens`` tokens of the evaluated model's tokenizer (the first starts at
+            Genesis); or ``"stdlib"``, the held-out stdlib files joined in name order into documents of at
+            least ``min_tokens`` tokens of the shipped tokenizer.
+        min_tokens: with ``"kjv-joined"`` and ``"stdlib"``, the joined documents' least length.
         first_tokens: cut each document to the text of its first ``first_tokens`` tokens of the evaluated
             model's tokenizer (``pretrained``, from ``--model_args``; else the shipped model's), for a shorter
             run (``--metadata '{"first_tokens": 32768}'``).
@@ -188,11 +190,14 @@ def long_dataset(
     """
     if text == "kjv":
         documents = kjv_books()
+    elif text == "kjv-joined":
+        tokenizer = AutoTokenizer.from_pretrained(_tokenizer_source(pretrained))
+        documents = joined_documents(kjv_books(), tokenizer, check_int("min_tokens", min_tokens, 1))
     elif text == "stdlib":
         tokenizer = AutoTokenizer.from_pretrained(default_model_path())
         documents = joined_documents(builtin_documents("heldout"), tokenizer, min_tokens)
     else:
-        raise ValueError(f"Unknown long text {text!r}; valid: 'kjv', 'stdlib'.")
+        raise ValueError(f"Unknown long text {text!r}; valid: 'kjv', 'kjv-joined', 'stdlib'.")
     names, texts = [d.name for d in documents], [d.text for d in documents]
     if first_tokens is not None:
         first_tokens = check_int("first_tokens", first_tokens, 1)

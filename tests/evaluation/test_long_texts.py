@@ -55,7 +55,7 @@ def test_the_long_tasks_are_indexed_and_the_stdlib_one_builds():
     from hf_attnscale.integrations.lm_eval_tasks_data import TASKS_DIR
 
     manager = lm_eval.TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
-    assert {"hfa_kjv_books", "hfa_stdlib_32k"} <= set(manager.all_tasks)
+    assert {"hfa_kjv_books", "hfa_kjv_64k", "hfa_stdlib_32k"} <= set(manager.all_tasks)
     task = manager.load(["hfa_stdlib_32k"])["tasks"]["hfa_stdlib_32k"]
     docs = list(task.test_docs())
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())

@@ -75,7 +75,7 @@ def test_the_tasks_build_and_score_by_depth():
     )
 
     manager = lm_eval.TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
-    assert {f"hfa_passkey_{n}" for n in ("4k", "8k", "16k", "32k")} <= set(manager.all_tasks)
+    assert {f"hfa_passkey_{n}" for n in ("4k", "8k", "16k", "32k", "64k")} <= set(manager.all_tasks)
     task = manager.load(["hfa_passkey_4k"])["tasks"]["hfa_passkey_4k"]
     docs = list(task.test_docs())
     assert len(docs) == 2 * len(PASSKEY_DEPTHS) and {d["length"] for d in docs} == {4096}

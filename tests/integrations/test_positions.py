@@ -178,3 +178,29 @@ def test_first_tokens_cuts_long_documents_in_the_evaluated_models_tokens(monkeyp
     for text, book in zip(cut["text"], books):
         assert book.text.startswith(text)
         assert len(tokenizer(text, add_special_tokens=False)["input_ids"]) == 100
+
+
+def test_the_joined_bible_starts_at_genesis_and_is_cut_in_the_evaluated_models_tokens(monkeypatch):
+    """``hfa_kjv_64k``'s text: the books joined in order into documents of at least ``min_tokens`` tokens, each
+    cut to ``first_tokens``; the task YAML asks for one 64k document."""
+    from hf_attnscale.integrations import lm_eval_tasks_data
+
+    books = [Document(name, f"{name} says hello. " * 60) for name in ("Genesis", "Exodus", "Leviticus")]
+    monkeypatch.setattr(lm_eval_tasks_data, "kjv_books", lambda: books)
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    per_book = [len(tokenizer(book.text, add_special_tokens=False)["input_ids"]) for book in books]
+    assert sum(per_book[:2]) > max(per_book) + 1
+    data = long_dataset(
+        "kjv-joined",
+        min_tokens=max(per_book) + 1,
+        first_tokens=per_book[0] + 50,
+        pretrained=str(default_model_path()),
+    )["test"]
+    assert data["name"] == ["Genesis .. Exodus"]  # Leviticus alone is too short: left out
+    (text,) = data["text"]
+    assert text.startswith(books[0].text + "\n\n" + "Exodus says")
+    assert len(tokenizer(text, add_special_tokens=False)["input_ids"]) == per_book[0] + 50
+    with pytest.raises(ValueError, match="'kjv-joined'"):
+        long_dataset("bible")
+    task = (TASKS_DIR / "hfa_kjv_64k.yaml").read_text()
+    assert "text: kjv-joined" in task and "min_tokens: 65536" in task and "first_tokens: 65536" in task
