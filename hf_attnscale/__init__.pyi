@@ -15,6 +15,12 @@ from .core.install.families import supported_model_types as supported_model_type
 from .core.install.installed import get_config as get_config
 from .core.install.patching import patch as patch, patched as patched, unpatch as unpatch
 from .core.options.config import AttnScaleConfig as AttnScaleConfig
+from .evaluation.passkey import (
+    Passkey as Passkey,
+    Recall as Recall,
+    passkey_prompts as passkey_prompts,
+    passkey_recall as passkey_recall,
+)
 from .evaluation.perplexity import PerplexityResult as PerplexityResult, perplexity as perplexity
 from .evaluation.report import SweepResult as SweepResult
 from .evaluation.sweep import sweep as sweep

@@ -66,7 +66,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_patch_arguments(parser, PATCH_TITLE)
     stream_group = parser.add_argument_group("streaming (StreamingLLM SinkCache)")
     stream_group.add_argument(
-        "--window", type=count_type(1), help="stream with a window of this many recent tokens"
+        "--window",
+        type=count_type(1),
+        help="stream through a SinkCache that keeps this many recent tokens (its window)",
     )
     stream_group.add_argument(
         "--sink-tokens",

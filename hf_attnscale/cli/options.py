@@ -190,7 +190,7 @@ def given_patch(args: argparse.Namespace, model: Any) -> dict[str, Any]:
     length = trained_length(args, model)
     if args.scale != "none" and length is None:
         raise CommandError(
-            f"--scale {args.scale} needs --train-length N, the context the model was trained at (its config "
+            f"--scale {args.scale} needs --train-length N, the model's trained length (its config "
             "gives no max_position_embeddings)."
         )
     return patch_options(args, default_length=length)

@@ -3,7 +3,7 @@
 `check_transformers` runs first thing in ``import hf_attnscale``: a transformers outside the supported range
 stops the import with one line naming the installed and the supported versions, instead of an ImportError
 from deep inside a later import. The range has one home, the transformers requirement in pyproject.toml;
-README, "Compatibility", says which releases in it were tested and why the floor is where it is.
+docs/COMPATIBILITY.md says which releases in it were tested and why the floor is where it is.
 `supported_range` reads it from the installed package's metadata, and the installed transformers' version
 is read from its own, so the check costs no import of transformers. ``packaging`` parses and compares.
 

@@ -229,7 +229,7 @@ class HFAttnScaleLM(HFLM):
             length = default_train_length(None, model_config)
             if length is None:
                 raise ValueError(
-                    f"scale={scale!r} needs train_length=N, the context the model was trained at (its config "
+                    f"scale={scale!r} needs train_length=N, the model's trained length (its config "
                     "gives no max_position_embeddings)."
                 )
             config = AttnScaleConfig.from_text(**options, train_length=length)

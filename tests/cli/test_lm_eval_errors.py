@@ -60,7 +60,7 @@ def _own_tasks_only(monkeypatch):
     [
         pytest.param(
             f"pretrained={NO_LENGTH},scale=logn",
-            r"scale='logn' needs train_length=N, the context the model was trained at "
+            r"scale='logn' needs train_length=N, the model's trained length "
             r"\(its config gives no max_position_embeddings\)\.",
             id="scale-without-length",
         ),

@@ -4,7 +4,7 @@ eager reference of tests/reference.py, on eager and on sdpa.
 
 The rule for which types are here: `hfa.supported_model_types()` (text decoders and encoders with a causal- or
 masked-LM head, not encoder-decoders nor multimodal wrappers, whose attention calls the interface), minus
-`model_zoo.SKIPPED` (each with its reason). `scripts/support_matrix.py` turns these results into the README's
+`model_zoo.SKIPPED` (each with its reason). `scripts/support_matrix.py` turns these results into docs/SUPPORT.md's
 support matrix.
 """
 

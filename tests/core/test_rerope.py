@@ -115,7 +115,7 @@ def test_every_decoder_is_served_exactly_or_refused_in_one_line(model_type):
     except ValueError as error:
         assert str(error).startswith("rerope_window") and "\n" not in str(error), error
         assert_unchanged(model, before)
-        return
+        pytest.skip(f"rerope refused: {error}")  # scripts/support_matrix.py reads the reason from here
     # sdpa ignores a family's logit soft-cap (Gemma-2 and VaultGemma under transformers 5.13), so must the reference
     reference = reference_of(before, attn, **OPTIONS["rerope+logn"])
     inputs = sharp_inputs(vocab=min(model.config.get_text_config().vocab_size, 100))

@@ -474,7 +474,7 @@ def _builtin_task(name: str, **metadata):
 
 def test_a_metadata_key_the_task_sets_too_takes_the_users_value():
     """``--metadata '{"first_tokens": 512}'`` on ``hfa_stdlib_heldout_1k``, whose YAML sets ``first_tokens: 1024``,
-    as the README does for ``hfa_kjv_books``: the user's value, not lm-eval's TypeError (issue 54)."""
+    as the README's lm-eval command passes it: the user's value, not lm-eval's TypeError (issue 54)."""
     if not (default_model_path() / "tokenizer.json").is_file():
         pytest.skip("shipped tokenizer missing")
     from transformers import AutoTokenizer

@@ -64,8 +64,8 @@ M = TypeVar("M", bound=nn.Module)
 def patch(model: M, *, config: AttnScaleConfig | None = None, **options: Any) -> M:
     """Change the attention of ``model`` (this instance only) and return it.
 
-    With no options, applies the patch saved in ``model.config`` (after ``from_pretrained``), learned sink /
-    SSMax values included, read from the checkpoint the model was loaded from (see `hfa.from_pretrained`,
+    With no options, applies the patch saved in ``model.config`` (after ``from_pretrained``), learned exit
+    logits and SSMax slopes included, read from the checkpoint the model was loaded from (see `hfa.from_pretrained`,
     which also works when that folder has moved); with none saved, installs the identity patch (what
     `SinkCache` streaming needs). Patching with the patch already in force changes nothing; another patch
     replaces it (it never stacks). The model is never left half-patched: on any error it stays as it was.

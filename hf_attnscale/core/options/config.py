@@ -119,7 +119,7 @@ class AttnScaleConfig:
             ``1 + β·ln(1 + ⌊n / L⌋)``, Llama 4's attention temperature tuning (L its ``floor_scale``, 8192);
             ``"ministral3"``: ``1 + β·ln(1 + ⌊(n − 1) / L⌋)``, Ministral 3's and Mistral 4's query scaling
             (L their ``original_max_position_embeddings``).
-        train_length: L, the length the model was trained at (required with a scale, at least 2).
+        train_length: L, the model's trained length (required with a scale, at least 2).
         clamp: apply ``max(1, ·)`` so lengths up to L are untouched. Defaults to True for ``logn`` and
             ``gradmax``, False for the others. Only valid with a scale.
         beta: β of ``llama4`` and ``ministral3`` (default 0.1, the families' own); only valid with them.
@@ -130,10 +130,10 @@ class AttnScaleConfig:
         gate: a sigmoid gate on each head's output from the token's input hidden state, before the output
             projection (Bondarenko et al. 2023; Qiu et al. 2025): ``"head"``, one per head, or ``"element"``,
             one per channel; ``2·sigmoid(x·W + b)`` with ``W = b = 0`` at first, so the patched model starts
-            equal to the original. Learnable, saved and trained with PEFT like the sink logit.
-        zero_kv: add a zero key and zero value every query sees (softmax-off-by-one).
-        sink_logit: a per-head sink logit column whose value is zero: a fixed float, or ``"learnable"``
-            (an ``nn.Parameter`` per head, initialised to 0, which equals ``zero_kv``).
+            equal to the original. Learnable, saved and trained with PEFT like the exit's logit.
+        zero_kv: an exit: a zero key and zero value every query sees (softmax-off-by-one).
+        sink_logit: an exit with this logit: a per-head column whose value is zero; a fixed float, or
+            ``"learnable"`` (an ``nn.Parameter`` per head, initialised to 0, which equals ``zero_kv``).
         rerope_window: ReRoPE's window w (Su 2023): a query and a key ``d = i − j`` apart are scored with RoPE at
             distance ``d`` when ``d < w`` and at ``w`` from there on, so no distance is ever one the model did
             not see. RoPE decoders on eager or sdpa; positions are the cache's, so distances are those of each
@@ -149,15 +149,16 @@ class AttnScaleConfig:
         default="none", metadata=_option("query scale law (default none)", choices=SCALES)
     )
     train_length: int | None = field(
-        default=None, metadata=_option("L, the length the model was trained at", parse=_length, metavar="N")
+        default=None, metadata=_option("L, the model's trained length", parse=_length, metavar="N")
     )
     clamp: bool | None = field(default=None, metadata=_option("clamp the scale to >= 1", parse=read_bool))
     zero_kv: bool = field(
         default=False,
-        metadata=_option("add a zero key/value (softmax-off-by-one)", parse=read_bool, head=True),
+        metadata=_option("an exit: a zero key and value (softmax-off-by-one)", parse=read_bool, head=True),
     )
     sink_logit: SinkLogit = field(
-        default=None, metadata=_option("a fixed sink logit, or 'learnable'", parse=_sink_logit, head=True)
+        default=None,
+        metadata=_option("an exit with this logit, or 'learnable'", parse=_sink_logit, head=True),
     )
     beta: float | None = field(
         default=None,
@@ -178,7 +179,9 @@ class AttnScaleConfig:
     )
     rerope_window: int | None = field(
         default=None,
-        metadata=_option("ReRoPE: score distances >= W at W (RoPE decoders)", parse=int, metavar="W"),
+        metadata=_option(
+            "ReRoPE's window: distances >= W scored at W (RoPE decoders)", parse=int, metavar="W"
+        ),
     )
     rerope_leak: float | None = field(
         default=None,
