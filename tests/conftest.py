@@ -208,10 +208,11 @@ def sharp_model(model_type: str = "llama", attn: str = "sdpa", seed: int = 0, **
 
 
 def watch_fused_parts(monkeypatch, on: bool) -> list:
-    """The CPU's fused key parts (`hf_attnscale.core.call.key_parts`) switched ``on`` or off for this test, their
+    """The CPU's fused key parts (`hf_attnscale.core.parts.key_parts`) switched ``on`` or off for this test, their
     first-use verdicts cleared so the test's own heads are checked; returns a list that each call of the kernel
     appends to."""
-    from hf_attnscale.core.call import cpu_flash, key_parts
+    from hf_attnscale.core.call import cpu_flash
+    from hf_attnscale.core.parts import key_parts
 
     monkeypatch.setenv(key_parts.ENV_SWITCH, "1" if on else "0")
     monkeypatch.setattr(key_parts.CHECK, "verdicts", {})
@@ -222,9 +223,9 @@ def watch_fused_parts(monkeypatch, on: bool) -> list:
 
 
 def count_flex_bands(monkeypatch) -> list:
-    """Each call of the flex key bands (`hf_attnscale.core.call.flex_parts`, CUDA's ReRoPE path) that served a
+    """Each call of the flex key bands (`hf_attnscale.core.parts.flex_parts`, CUDA's ReRoPE path) that served a
     model: outside their first-use check (its verdicts cleared first), and not handed back to the chunks."""
-    from hf_attnscale.core.call import flex_parts
+    from hf_attnscale.core.parts import flex_parts
 
     monkeypatch.setattr(flex_parts.CHECK, "verdicts", {})
     served, checking = [], []
@@ -251,7 +252,7 @@ def count_flex_bands(monkeypatch) -> list:
 def watch_flex_bands(monkeypatch) -> list:
     """The flex key bands switched on for the CPU, where flex runs uncompiled and forward only: their first-use
     check, which runs backward too, is the GPU suite's. Returns `count_flex_bands`' list."""
-    from hf_attnscale.core.call import flex_parts
+    from hf_attnscale.core.parts import flex_parts
 
     monkeypatch.setattr(flex_parts, "SERVED_DEVICES", {"cpu": 1})
     monkeypatch.setattr(flex_parts, "_check", lambda *args: None)

@@ -41,7 +41,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.utils import is_flash_attn_2_available
 
 import hf_attnscale as hfa
-from hf_attnscale.core.call import exit, flex_parts
+from hf_attnscale.core.call import exit
+from hf_attnscale.core.parts import flex_parts
+from hf_attnscale.core.parts.declare import dual_chunk, rerope
 
 pytestmark = pytest.mark.gpu
 
@@ -384,17 +386,21 @@ def test_rerope_matches_reference_on_the_device(device, attn, option, flex_bands
     assert (plain - outputs[0]).abs().max() > 1e-3, "ReRoPE changed nothing"
 
 
+@pytest.mark.parametrize("method", ["rerope", "dca"])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("exit_logits", [False, True])
 @pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
-def test_flex_bands_pass_their_check_on_the_device(device, dtype, exit_logits, masked):
+def test_flex_bands_pass_their_check_on_the_device(device, dtype, exit_logits, masked, method):
     """The check that guards CUDA's flex key bands, compiled, against the plain formula in float64 (forward and
     backward; forward alone without gradients, on 400 queries and on 64), at SmolLM2's heads (9 query, 3
     key-value, 64 wide)."""
     if device.type != "cuda":
         pytest.skip("flex key bands serve on CUDA")
     torch.compiler.reset()  # this process's earlier tests have compiled flex in many combinations
-    combination = flex_parts.Combination(dtype, 64, 9, 3, exit_logits, masked, None)
+    declared = rerope(2048) if method == "rerope" else dual_chunk(6144, 512)
+    combination = flex_parts.Combination(
+        dtype, 64, 9, 3, (True,) if masked else (), exit_logits, masked, flex_parts.layout(declared)
+    )
     assert flex_parts._check(combination, device) is None
 
 

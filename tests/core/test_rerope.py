@@ -28,7 +28,9 @@ from conftest import (
 from model_zoo import EAGER_ONLY, LOGIT_TOLERANCE, family_types, head_of, reference_of, zoo_model
 
 import hf_attnscale as hfa
-from hf_attnscale.core.call import key_parts, rerope, rope
+from hf_attnscale.core.call import rope
+from hf_attnscale.core.parts import engine, key_parts
+from hf_attnscale.core.parts.declare import rerope
 
 WINDOW, LEAK, LENGTH = 4, 3.0, 16
 ROPE_TYPES = {  # transformers' own rope_parameters, each with what the tiny model's RoPE needs
@@ -343,8 +345,8 @@ def test_packed_sequences_equal_each_alone(attn, option, monkeypatch):
     first, second = torch.randint(3, SHARP_VOCAB, (1, 9)), torch.randint(3, SHARP_VOCAB, (1, 7))
     positions = torch.cat([torch.arange(9), torch.arange(7)])[None]
     checked = []
-    remember = rerope._CHECKED.remember
-    monkeypatch.setattr(rerope._CHECKED, "remember", lambda *args: checked.append(args) or remember(*args))
+    remember = engine._CHECKED.remember
+    monkeypatch.setattr(engine._CHECKED, "remember", lambda *args: checked.append(args) or remember(*args))
     with torch.no_grad():
         packed = model(torch.cat([first, second], 1), position_ids=positions, use_cache=False).logits
         alone = torch.cat([model(first).logits, model(second).logits], 1)
@@ -413,10 +415,10 @@ def test_a_one_row_mask_with_more_columns_than_keys(jump):
     positions = (torch.arange(5) + 2 + 3 * jump * (torch.arange(5) > 2))[None]
     mask = torch.ones(1, 1, 1, 2 + 5 + 1, dtype=torch.bool)
     if not jump:
-        rerope.check_positions(positions, mask, past=2)
+        engine.check_positions(rerope(4), positions, mask, past=2)
         return
     with pytest.raises(ValueError, match="position_ids jump or restart"):
-        rerope.check_positions(positions, mask, past=2)
+        engine.check_positions(rerope(4), positions, mask, past=2)
 
 
 def test_a_forwards_positions_are_checked_once_per_mask(monkeypatch):
@@ -425,8 +427,8 @@ def test_a_forwards_positions_are_checked_once_per_mask(monkeypatch):
     model = zoo_model("gemma3_text", "sdpa", num_hidden_layers=4, layer_types=types, sliding_window=6)
     hfa.patch(model, **OPTIONS["rerope"])
     checked = []
-    remember = rerope._CHECKED.remember
-    monkeypatch.setattr(rerope._CHECKED, "remember", lambda *args: checked.append(args) or remember(*args))
+    remember = engine._CHECKED.remember
+    monkeypatch.setattr(engine._CHECKED, "remember", lambda *args: checked.append(args) or remember(*args))
     with torch.no_grad():
         model(**sharp_inputs(vocab=min(model.config.vocab_size, 100)))
     assert len(checked) == 2
@@ -465,7 +467,7 @@ def test_flex_past_its_recompile_limit_takes_the_chunks(monkeypatch, onto_a_cach
     prefill, and for chunks onto a cache, whose near keys the bands counted from the first."""
     from transformers import DynamicCache
 
-    from hf_attnscale.core.call import flex_parts
+    from hf_attnscale.core.parts import flex_parts
 
     served, refused = watch_flex_bands(monkeypatch), []
 
@@ -490,13 +492,11 @@ def test_flex_past_its_recompile_limit_takes_the_chunks(monkeypatch, onto_a_cach
 def test_long_input_runs_in_query_chunks(monkeypatch, attn):
     """Where the mask bounds a chunk to fewer queries than the window, the queries run in those pieces (3, and
     1 last), with the same result."""
-    from hf_attnscale.core.call import rerope
-
     patched, reference = patched_beside_reference(sharp_model("llama", attn), OPTIONS["leaky"])
-    monkeypatch.setattr(rerope, "MASK_CHUNK", 3 * (LENGTH + WINDOW))
+    monkeypatch.setattr(engine, "MASK_CHUNK", 3 * (LENGTH + WINDOW))
     chunks = []
-    part = rerope.KeyPart
-    monkeypatch.setattr(rerope, "KeyPart", lambda q, *rest: chunks.append(q.shape[2]) or part(q, *rest))
+    part = engine.KeyPart
+    monkeypatch.setattr(engine, "KeyPart", lambda q, *rest: chunks.append(q.shape[2]) or part(q, *rest))
     _assert_matches(patched, reference, sharp_inputs())
     assert set(chunks) == {3, 1}, chunks  # 16 queries: five chunks of 3, then 1 (unbounded: 4, the window)
 

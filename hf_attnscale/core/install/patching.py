@@ -49,12 +49,13 @@ from hf_attnscale.core.install.offload import (
     restore_forward,
     set_forward,
 )
-from hf_attnscale.core.install.rerope import rerope_rotaries
+from hf_attnscale.core.install.parts import parts_rotaries
 from hf_attnscale.core.install.rescaling import RotarySlot, own_rotary, put, rescaled, rotary_slots
 from hf_attnscale.core.install.routing import ROTARY_ATTR, cache_routed_forward
 from hf_attnscale.core.install.weights import CheckpointNotFound, read_tensors, safetensors_files
 from hf_attnscale.core.install.wrappers import unwrap
 from hf_attnscale.core.options.config import CONFIG_KEY, AttnScaleConfig, read_saved_config
+from hf_attnscale.core.parts.declare import method_of
 
 M = TypeVar("M", bound=nn.Module)
 """Where a patched RoPE attention module keeps ``(the model's rotary embedding, its layer type)``: in its
@@ -161,8 +162,8 @@ def _installation(root: nn.Module, config: AttnScaleConfig) -> _Installation:
     new = {id(module): placed for (_, _, module), (_, _, placed) in zip(rotary_slots(root), rotaries)}
     rotary = [rotary_for(root, m) if takes_position_embeddings(m) else None for m in modules]
     rotary = [None if r is None else (new.get(id(r[0]), r[0]), r[1]) for r in rotary]
-    if config.rerope_window is not None:
-        rotary = rerope_rotaries(root, modules, rotary)
+    if (method := method_of(config)) is not None:
+        rotary = parts_rotaries(root, modules, rotary, method)
     return _Installation(config, rule, modules, states, rotary, rotaries)
 
 
