@@ -259,6 +259,30 @@ def watch_flex_bands(monkeypatch) -> list:
     return count_flex_bands(monkeypatch)
 
 
+@pytest.fixture
+def attn(request, monkeypatch):
+    """The backend by name, for the methods of key parts (ReRoPE, Self-Extend, DCA). "sdpa+fused" is sdpa with
+    the CPU's fused key parts on (the suite runs the public formulation every device runs), "sdpa+flex" with
+    CUDA's flex key parts, run on the CPU (forward only); there the fast path must have done the work, and with
+    a clipped softmax, which it cannot serve, never."""
+    name, _, fast = request.param.partition("+")
+    calls = watch_fused_parts(monkeypatch, fast == "fused")
+    if fast == "flex":
+        calls = watch_flex_bands(monkeypatch)
+    yield name
+    if fast == "fused":
+        from hf_attnscale.core.parts import key_parts
+
+        assert all(key_parts.CHECK.verdicts.values())
+    if fast:
+        assert bool(calls) == ("clipped" not in request.node.name), len(calls)
+
+
+ATTNS = ["sdpa", "sdpa+fused", "eager"]
+FORWARD_ATTNS = [*ATTNS, "sdpa+flex"]
+"""Also flex's bands, which run no backward on the CPU."""
+
+
 def patched_beside_reference(model: torch.nn.Module, options: dict):
     """(``model`` patched with ``options``, its eager reference (tests/reference.py)), the same weights."""
     reference = copy.deepcopy(model)

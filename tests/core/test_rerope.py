@@ -13,7 +13,9 @@ import pytest
 import torch
 import transformers
 from conftest import (
+    ATTNS,
     DECODERS,
+    FORWARD_ATTNS,
     GREEDY,
     SHARP_VOCAB,
     OperatorCount,
@@ -23,13 +25,12 @@ from conftest import (
     stream_logits,
     tiny_model,
     watch_flex_bands,
-    watch_fused_parts,
 )
 from model_zoo import EAGER_ONLY, LOGIT_TOLERANCE, family_types, head_of, reference_of, zoo_model
 
 import hf_attnscale as hfa
 from hf_attnscale.core.call import rope
-from hf_attnscale.core.parts import engine, key_parts
+from hf_attnscale.core.parts import engine
 from hf_attnscale.core.parts.declare import rerope
 
 WINDOW, LEAK, LENGTH = 4, 3.0, 16
@@ -61,28 +62,6 @@ OPTIONS = {
     "rerope+clipped": {"rerope_window": WINDOW, "clipped_softmax": (-0.03, 1.02)},
     "rerope+ssmax+gate": {"rerope_window": WINDOW, "scale": "ssmax", "train_length": 2, "gate": "head"},
 }
-
-
-@pytest.fixture
-def attn(request, monkeypatch):
-    """The backend by name. "sdpa+fused" is sdpa with the CPU's fused key parts on (the suite runs the public
-    formulation every device runs, tests/conftest.py), "sdpa+flex" with CUDA's flex key bands, run on the CPU
-    (forward only); there the fast path must have done the work, and with a clipped softmax, which it cannot
-    serve, never."""
-    name, _, fast = request.param.partition("+")
-    calls = watch_fused_parts(monkeypatch, fast == "fused")
-    if fast == "flex":
-        calls = watch_flex_bands(monkeypatch)
-    yield name
-    if fast == "fused":
-        assert all(key_parts.CHECK.verdicts.values())
-    if fast:
-        assert bool(calls) == ("clipped" not in request.node.name), len(calls)
-
-
-ATTNS = ["sdpa", "sdpa+fused", "eager"]
-FORWARD_ATTNS = [*ATTNS, "sdpa+flex"]
-"""Also flex's bands, which run no backward on the CPU."""
 
 
 def _assert_matches(patched, reference, inputs):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +55,12 @@ from hf_attnscale.core.install.rescaling import RotarySlot, own_rotary, put, res
 from hf_attnscale.core.install.routing import ROTARY_ATTR, cache_routed_forward
 from hf_attnscale.core.install.weights import CheckpointNotFound, read_tensors, safetensors_files
 from hf_attnscale.core.install.wrappers import unwrap
-from hf_attnscale.core.options.config import CONFIG_KEY, AttnScaleConfig, read_saved_config
+from hf_attnscale.core.options.config import (
+    CONFIG_KEY,
+    AttnScaleConfig,
+    checkpoint_dual_chunk,
+    read_saved_config,
+)
 from hf_attnscale.core.parts.declare import method_of
 
 M = TypeVar("M", bound=nn.Module)
@@ -67,7 +73,8 @@ def patch(model: M, *, config: AttnScaleConfig | None = None, **options: Any) ->
 
     With no options, applies the patch saved in ``model.config`` (after ``from_pretrained``), learned sink /
     SSMax values included, read from the checkpoint the model was loaded from (see `hfa.from_pretrained`,
-    which also works when that folder has moved); with none saved, installs the identity patch (what
+    which also works when that folder has moved); with none saved, the Dual Chunk Attention the checkpoint's
+    ``dual_chunk_attention_config`` asks for (Qwen2.5-1M's; with a one-line note), else the identity patch (what
     `SinkCache` streaming needs). Patching with the patch already in force changes nothing; another patch
     replaces it (it never stacks). The model is never left half-patched: on any error it stays as it was.
     Any wrapper is accepted (PEFT, DataParallel / DDP, torch.compile), and so is an inner model
@@ -82,6 +89,8 @@ def patch(model: M, *, config: AttnScaleConfig | None = None, **options: Any) ->
         >>> hfa.patch(model, scale="logn", train_length=4096, zero_kv=True)
         >>> hfa.patch(model, rerope_window=2048, scale="logn", train_length=8192)  # ReRoPE + logn, past 8k
         >>> hfa.patch(model, rope_parameters={"rope_type": "yarn", "factor": 4.0})  # YaRN on a loaded model
+        >>> hfa.patch(model, self_extend_group=4, self_extend_window=1024)  # Self-Extend
+        >>> hfa.patch(model, dual_chunk_size=6144, dual_chunk_local=512)  # Dual Chunk Attention
     """
     requested = AttnScaleConfig.from_options(**options)
     if config is not None and requested is not None:
@@ -101,13 +110,16 @@ def apply(root: nn.Module, requested: AttnScaleConfig | None, checkpoint: list[P
     ``root.config._name_or_path``).
     """
     saved = read_saved_config(root.config)
-    target = requested or saved or AttnScaleConfig()
+    asked = None if requested or saved else checkpoint_dual_chunk(root.config)
+    target = requested or saved or (asked[0] if asked else AttnScaleConfig())
     if get_config(root) == target and all(state_of(m) is not None for m in attention_modules(root)):
         return  # already in force: keep the live (possibly trained) parameters
     installation = _installation(root, target)
     if target == saved and installation.has_parameters:
         _fill_learned(root, installation, checkpoint, required=requested is None)
     _install(root, installation)
+    if asked is not None:
+        warnings.warn(asked[1], UserWarning, stacklevel=3)
 
 
 @dataclass

@@ -447,3 +447,28 @@ def read_saved_config(model_config: Any) -> AttnScaleConfig | None:
     if data is None and isinstance(getattr(model_config, LEGACY_CONFIG_KEY, None), dict):
         data = getattr(model_config, LEGACY_CONFIG_KEY)
     return None if data is None else AttnScaleConfig.from_dict(dict(data))
+
+
+DUAL_CHUNK_KEY = "dual_chunk_attention_config"
+"""Where a checkpoint's config asks for Dual Chunk Attention (Qwen2.5-7B/14B-Instruct-1M), which transformers
+ignores: ``chunk_size``, ``local_size``, ``original_max_position_embeddings`` and MInference's sparse keys."""
+DUAL_CHUNK_USED = ("chunk_size", "local_size")
+
+
+def checkpoint_dual_chunk(model_config: Any) -> tuple[AttnScaleConfig, str] | None:
+    """The DCA a checkpoint's config asks for (its ``dual_chunk_attention_config``), and the one-line note that
+    says so, naming the keys not implemented; None where it asks for none."""
+    asked = getattr(model_config, DUAL_CHUNK_KEY, None)
+    if asked is None and hasattr(model_config, "get_text_config"):
+        asked = getattr(model_config.get_text_config(), DUAL_CHUNK_KEY, None)
+    if not isinstance(asked, dict) or not all(key in asked for key in DUAL_CHUNK_USED):
+        return None
+    config = AttnScaleConfig(dual_chunk_size=asked["chunk_size"], dual_chunk_local=asked["local_size"])
+    unused = sorted(key for key in asked if key not in DUAL_CHUNK_USED)
+    note = (
+        f"hf_attnscale: this checkpoint's {DUAL_CHUNK_KEY} asks for Dual Chunk Attention: patched with "
+        f"dual_chunk_size={config.dual_chunk_size}, dual_chunk_local={config.dual_chunk_local}"
+        + (f"; not implemented, so not applied: {', '.join(unused)}" if unused else "")
+        + " (explicit options replace it)."
+    )
+    return config, note

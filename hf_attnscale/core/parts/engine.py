@@ -46,7 +46,9 @@ MASK_CHUNK = 2**24
 def check_parts_backend(backend: str | None, method: Method) -> None:
     """Refuse, in one line, a backend the engine cannot run on (checked when patching and at every call, as
     ``set_attn_implementation`` may switch it in between)."""
-    check_backend(backend, BACKENDS, f"{method.name} (it shows each key its part by a dense mask)")
+    check_backend(
+        backend, BACKENDS, f"{method.option}: {method.name} (it shows each key its part by a dense mask)"
+    )
 
 
 @dataclass(frozen=True)

@@ -131,6 +131,8 @@ def attention(
     scale = softmax_scale(query, scaling)
     if visible is not None:  # flex reads it at every query's batch row and head
         visible = visible.expand(batch, heads, q_len, k_len)
+    if shift is not None:
+        shift = shift.expand(batch)
     one_band = _kernel(query.device.type)
     outs, lses = [], []
     try:
