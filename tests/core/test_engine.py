@@ -44,7 +44,7 @@ DECLARED = {
     "rerope": rerope(4),
     "leaky": rerope(4, 3.0),
     "self_extend": self_extend(2, 4),
-    "self_extend, G = w": self_extend(3, 3),
+    "self_extend, G > w": self_extend(5, 3),
     "dca": dual_chunk(6, 2),
     "dca, l > c": dual_chunk(7, 4),  # min(2c − 1, s) = s
 }
@@ -57,11 +57,11 @@ def test_each_declaration_covers_every_causal_pair_once(name):
     assert torch.equal(covered, (j <= i).long())
 
 
-@pytest.mark.parametrize("name", ["self_extend", "self_extend, G = w", "dca", "dca, l > c"])
+@pytest.mark.parametrize("name", ["self_extend", "self_extend, G > w", "dca", "dca, l > c"])
 def test_the_declarations_place_each_pair_as_the_paper_does(name):
     """Each part's positions for the pairs it covers, against the papers' definitions (tests/reference.py)."""
     method = DECLARED[name]
-    args = {"self_extend": (2, 4), "self_extend, G = w": (3, 3), "dca": (6, 2), "dca, l > c": (7, 4)}[name]
+    args = {"self_extend": (2, 4), "self_extend, G > w": (5, 3), "dca": (6, 2), "dca, l > c": (7, 4)}[name]
     i, j = torch.arange(40)[:, None], torch.arange(40)[None]
     kind = "self_extend" if name.startswith("self_extend") else "dual_chunk"
     want_q, want_k = method_positions((kind, *args), i.double(), j.double())
@@ -207,7 +207,7 @@ def test_what_reaches_no_far_pair_is_the_unpatched_model(options):
     [
         ({"self_extend_group": 4}, "self_extend_group needs self_extend_window too"),
         ({"self_extend_window": 4}, "self_extend_window needs self_extend_group too"),
-        ({"self_extend_group": 4, "self_extend_window": 2}, "self_extend_window must be an int >= 4"),
+        ({"self_extend_group": 4, "self_extend_window": 0}, "self_extend_window must be an int >= 1"),
         ({"dual_chunk_size": 8}, "dual_chunk_size needs dual_chunk_local too"),
         ({"dual_chunk_size": 8, "dual_chunk_local": 8}, "dual_chunk_local must be below dual_chunk_size"),
         ({**SE, "rerope_window": 8}, "rerope_window and self_extend_group contradict each other"),

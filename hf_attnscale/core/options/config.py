@@ -144,7 +144,7 @@ class AttnScaleConfig:
             apart by less than ``self_extend_window`` is scored at the model's own positions, every other with the
             query at ``⌊i/G⌋ + w − ⌊w/G⌋`` and the key at ``⌊j/G⌋``. Pick G so that ``(T − w)/G + w`` stays
             within the trained length at T tokens. Needs ``self_extend_window``.
-        self_extend_window: Self-Extend's neighbour window w (at least G). Only with ``self_extend_group``.
+        self_extend_window: Self-Extend's neighbour window w. Only with ``self_extend_group``.
         dual_chunk_size: Dual Chunk Attention's chunk size s (An et al. 2024, ChunkLlama; Qwen2.5-1M's
             ``dual_chunk_attention_config``): with ``c = s − l``, keys at ``j mod c``; a query in the key's chunk
             at ``i mod c``, in the next at ``min(i mod c + c, s)``, further on at ``min(2c − 1, s)``. Needs
@@ -328,7 +328,7 @@ class AttnScaleConfig:
                 raise ValueError(f"{name} needs {other} too; pass {other}=N.")
         if self.self_extend_group is not None:
             group = check_int("self_extend_group", self.self_extend_group, 1)
-            window = check_int("self_extend_window", self.self_extend_window, group)
+            window = check_int("self_extend_window", self.self_extend_window, 1)
             object.__setattr__(self, "self_extend_group", group)
             object.__setattr__(self, "self_extend_window", window)
         if self.dual_chunk_size is not None:
