@@ -94,7 +94,8 @@ def _check_module(module: nn.Module) -> tuple[nn.Module, str | None, Any]:
     if (method := state.config.key_parts) is not None:
         raise ValueError(
             f"SinkCache cannot stream a model patched with {method}: a sink cache already keeps every distance "
-            f"within its size (sink_tokens + window). Patch without {method} to stream."
+            f"within its size (sink_tokens + window). Patch without {method} to stream (a checkpoint's "
+            "dual_chunk_attention_config: hfa.patch(model, config=hfa.AttnScaleConfig()))."
         )
     rotary = rotary_of(module)
     if rotary is None:

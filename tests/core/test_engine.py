@@ -23,7 +23,7 @@ from conftest import (
     stream_logits,
     tiny_model,
 )
-from model_zoo import zoo_model
+from model_zoo import EAGER_ONLY, LOGIT_TOLERANCE, family_types, head_of, reference_of, zoo_model
 from reference import method_positions
 from test_rerope import OWN_FAMILIES, ROPE_TYPES, assert_unchanged
 
@@ -82,6 +82,30 @@ def _assert_matches(patched, reference, inputs):
 def _generate_positions(mask: torch.Tensor) -> torch.Tensor:
     """generate()'s positions for a left-padded batch: each row's tokens from 0, a pad's 1."""
     return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("model_type", [t for t in family_types() if head_of(t) == "causal"])
+def test_every_decoder_is_served_exactly_or_refused_in_one_line(model_type, method):
+    """Each decoder type the package supports: the method equals the reference, or the patch refuses it in one
+    line that starts with the method's option, the model unchanged (as ReRoPE, tests/core/test_rerope.py)."""
+    attn = "eager" if model_type in EAGER_ONLY else "sdpa"
+    model = zoo_model(model_type, attn)
+    before = copy.deepcopy(model)
+    try:
+        hfa.patch(model, **METHODS[method])
+    except ValueError as error:
+        assert str(error).startswith(next(iter(METHODS[method]))) and "\n" not in str(error), error
+        assert_unchanged(model, before)
+        return
+    reference = reference_of(before, attn, **METHODS[method])
+    inputs = sharp_inputs(vocab=min(model.config.get_text_config().vocab_size, 100))
+    rows = inputs["attention_mask"].bool()
+    with torch.no_grad():
+        got, want = (each(**inputs, use_cache=False).logits[rows] for each in (model, reference))
+    atol = LOGIT_TOLERANCE.get(model_type, 1e-4)
+    torch.testing.assert_close(got, want, atol=atol, rtol=1e-4)
 
 
 @pytest.mark.parametrize("attn", FORWARD_ATTNS, indirect=True)
