@@ -318,3 +318,19 @@ def test_a_checkpoints_dual_chunk_config_is_honoured_explicit_options_replace_it
     hfa.unpatch(model)
     with torch.no_grad():
         assert torch.equal(model(**inputs).logits, plain(**inputs).logits)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", list(METHODS))
+def test_torch_compile_takes_the_method_whole(method):
+    """No graph break in a forward or a decoding step (as ReRoPE's, tests/core/test_rerope.py)."""
+    model = hfa.patch(sharp_model("llama"), **METHODS[method])
+    ids = sharp_inputs(batch=1, padded=False)["input_ids"]
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(lambda x: model(x).logits)(ids).graph_break_count == 0
+    with torch.no_grad():
+        cache = transformers.DynamicCache(config=model.config)
+        model(ids, past_key_values=cache)
+        torch._dynamo.reset()
+        step = torch._dynamo.explain(lambda x: model(x, past_key_values=cache).logits)(ids[:, :1])
+    assert step.graph_break_count == 0, [b.reason for b in step.break_reasons]

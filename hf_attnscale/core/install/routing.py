@@ -39,7 +39,7 @@ from hf_attnscale.core.call.rope import RotaryFrequencies, family_rope, family_r
 from hf_attnscale.core.call.state import state_of
 from hf_attnscale.core.install.families import Rotary
 from hf_attnscale.core.install.wrappers import wrapped
-from hf_attnscale.core.parts.declare import Method, method_of
+from hf_attnscale.core.parts.declare import RAW, Method, method_of
 from hf_attnscale.core.parts.engine import PartsCall, check_parts_backend
 
 ATTENTION_STEP = "attention_step"
@@ -98,7 +98,8 @@ def _method(config: Any) -> Method | None:
 
 
 def _parts_forward(self: nn.Module, method: Method, position_embeddings: Any, **kwargs: Any):
-    """The class's forward under the identity rotation, its attention call given the method's `PartsCall`."""
+    """The class's forward with the rotation of the method's store in place of the model's (the identity: raw
+    queries and keys), its attention call given the method's `PartsCall`."""
     check_parts_backend(self.config.model_config._attn_implementation, method)
     cache = next((kwargs[name] for name in CACHE_ARGUMENTS if kwargs.get(name) is not None), None)
     layers, index = getattr(cache, "layers", ()), getattr(self, "layer_idx", None)
@@ -110,17 +111,25 @@ def _parts_forward(self: nn.Module, method: Method, position_embeddings: Any, **
         )
     cos, sin = position_embeddings
     rotary, layer_type = rotary_of(self)
+    frequencies = RotaryFrequencies.of(rotary, layer_type)
+    positions = kwargs.get("position_ids")
     call = PartsCall(
         method=method,
         rope=family_rotation(family_rope(self), cos.shape[-1]),
-        frequencies=RotaryFrequencies.of(rotary, layer_type),
+        frequencies=frequencies,
         own=(cos, sin),
-        positions=kwargs.get("position_ids"),
+        positions=positions,
     )
-    one, zero = _identity(cos.dtype, cos.device)
-    identity = (one.expand_as(cos), zero.expand_as(sin))  # views: no operator in any layer
+    if method.store == RAW:
+        one, zero = _identity(cos.dtype, cos.device)
+        stored = (one.expand_as(cos), zero.expand_as(sin))  # views: no operator in any layer
+    else:  # where the method keeps its keys: cos/sin at those places of the model's positions
+        if positions is None or positions.dim() != 2:
+            past = cache.get_seq_length(index) if cache is not None and index is not None else 0
+            positions = torch.arange(past, past + cos.shape[-2], device=cos.device)[None]
+        stored = frequencies.cos_sin(method.store.value(positions), cos.dtype, method.store.slower)
     hooks = CallHooks(parts=call)
-    return forward_with_hooks(self, hooks, called_as_module=True, position_embeddings=identity, **kwargs)
+    return forward_with_hooks(self, hooks, called_as_module=True, position_embeddings=stored, **kwargs)
 
 
 @memoize()

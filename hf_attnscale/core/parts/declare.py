@@ -14,15 +14,14 @@ its queries and keys. The methods' definitions (DESIGN.md):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from hf_attnscale.core.options.config import AttnScaleConfig
 
 
-@dataclass(frozen=True)
-class At:
+class At(NamedTuple):
     """Where a part rotates its queries or its keys: position p at ``min(cap, f(p) + shift) / slower``, with
     ``f(p)`` ``⌊p / group⌋`` or ``p mod period`` (or p); or at ``fixed``, whatever p."""
 
@@ -54,8 +53,7 @@ class At:
         return self.fixed is None and self.period is None and self.group == 1 and self.cap is None
 
 
-@dataclass(frozen=True)
-class Part:
+class Part(NamedTuple):
     """The pairs ``j ≤ i`` with ``lo ≤ ⌊i/unit⌋ − ⌊j/unit⌋ < hi`` (``hi`` None: no bound), scored with the queries
     rotated at ``query`` and the keys at ``key``."""
 
@@ -82,14 +80,21 @@ class Part:
         return self.unit == 1 and (fixed or same_speed)
 
 
-@dataclass(frozen=True)
-class Method:
-    """A method's name, the option that asks for it (its errors start with it), and its parts, which together
-    cover every causal pair once."""
+RAW = At(fixed=0)
+"""Keys and queries as the model projects them, before any RoPE."""
+MOVING = At()
+"""The model's own positions."""
+
+
+class Method(NamedTuple):
+    """A method's name, the option that asks for it (its errors start with it), its parts, which together cover
+    every causal pair once, and where the model's cache holds each key (``store``; the call's queries come at
+    the same place): a decoding step turns only the keys whose part places them elsewhere."""
 
     name: str
     option: str
     parts: tuple[Part, ...]
+    store: At = RAW
 
     @property
     def by_distance(self) -> bool:
@@ -117,7 +122,7 @@ def self_extend(group: int, window: int) -> Method:
     their own positions, the rest grouped by ``group`` (LongLM's definition)."""
     near = Part(0, window, At(), At())
     far = Part(window, None, At(group=group, shift=window - window // group), At(group=group))
-    return Method("Self-Extend", "self_extend_group", (near, far))
+    return Method("Self-Extend", "self_extend_group", (near, far), store=At(group=group))
 
 
 def dual_chunk(size: int, local: int) -> Method:
@@ -133,6 +138,7 @@ def dual_chunk(size: int, local: int) -> Method:
             Part(1, 2, At(period=c, shift=c, cap=size), key, unit=c),
             Part(2, None, At(fixed=min(2 * c - 1, size)), key, unit=c),
         ),
+        store=key,
     )
 
 

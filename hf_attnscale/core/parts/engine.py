@@ -33,7 +33,7 @@ from hf_attnscale.core.call.hooks import Execution
 from hf_attnscale.core.call.masks import visible_entries
 from hf_attnscale.core.call.rope import CosSin, RotaryFrequencies, RotateFn
 from hf_attnscale.core.parts import flex_parts, key_parts
-from hf_attnscale.core.parts.declare import At, Method, Part
+from hf_attnscale.core.parts.declare import MOVING, RAW, At, Method, Part
 from hf_attnscale.core.parts.flex_parts import Band
 from hf_attnscale.core.parts.key_parts import KeyPart
 
@@ -160,7 +160,7 @@ class PartsCall:
         if self.method.by_distance:
             query, keys = self._turn_by_distance(query, key)
         else:
-            query, keys = self._turn_each(query, key, position_ids)
+            query, keys = self._turn_from_store(query, key, position_ids)
         shown = None  # no mask where the model passed none: the backend takes grouped heads as they are
         if mask is not None or sliding_window:
             at_i = torch.arange(i, k_len, device=device)[:, None]
@@ -205,21 +205,46 @@ class PartsCall:
                 segments[index] = segments[index] / scaling
         return query, torch.cat(segments, dim=2) if len(segments) > 1 else segments[0]
 
-    def _turn_each(self, query, key, position_ids) -> tuple[torch.Tensor, torch.Tensor]:
-        """Any method: each key turned by its own part's ``k(j) − q(i)``, the query not at all (at 0)."""
-        k_len, device, dtype = key.shape[2], query.device, query.dtype
+    def _turn_from_store(self, query, key, position_ids) -> tuple[torch.Tensor, torch.Tensor]:
+        """Any method: the query turned from where it comes (the method's store) to where the unbounded part
+        (the anchor) places it, each key by ``k(j) − store(j) − (q(i) − anchor(i))`` for its part (the same
+        scores: every pair's angle is ``k(j) − q(i)``), which is 0 for the anchor's keys where they sit where
+        they are stored: then only the keys of the other parts turn, all within their reach of the query. Turns
+        of what is stored rotated are pure rotations; raw keys (a store of RAW) all turn, with the attention
+        scaling."""
+        method, frequencies, dtype, device = self.method, self.frequencies, query.dtype, query.device
+        store, k_len = method.store, key.shape[2]
+        raw = store == RAW
+        anchor = next((part for part in method.parts if part.hi is None), method.parts[0])
+        start = 0
+        if not raw and anchor.hi is None and anchor.key == store:
+            reach = max(part.hi * part.unit for part in method.parts if part is not anchor)
+            start = max(0, k_len - reach)
         shift = _shift(position_ids, k_len - 1)
         i = torch.full((1, 1), k_len - 1, device=device) if shift is None else (k_len - 1 - shift)[:, None]
-        j = torch.arange(k_len, device=device)[None]
+        j = torch.arange(start, k_len, device=device)[None]
         if shift is not None:
             j = j - shift[:, None]
-        angle = torch.zeros(torch.broadcast_shapes(i.shape, j.shape), dtype=torch.float64, device=device)
-        for part in self.method.parts:
-            angle = torch.where(part.covers(i, j), part.key.angle(j) - part.query.angle(i), angle)
-        keys = self.rope(key, *self.frequencies.cos_sin(angle, dtype))
-        if self.frequencies.scaling != 1.0:  # the query at 0: its share of YaRN's s²
-            query = self.rope(query, *self.frequencies.at_distances(1, dtype, device))
-        return query, keys
+        if raw or anchor.query != store:
+            turn = anchor.query.angle(i) - store.angle(i)
+            query = self.rope(query, *frequencies.cos_sin(turn, dtype, scaled=raw))
+        cos = sin = None
+        for part in method.parts:
+            if part is anchor and not raw and part.key == store:
+                continue  # as stored
+            towards = part.query.angle(i) - anchor.query.angle(i)  # (B|1, 1)
+            if part.key == store and not raw:
+                angle = -towards  # the same for every key of the part
+            else:
+                angle = part.key.angle(j) - store.angle(j) - towards
+            turned = frequencies.cos_sin(angle, dtype, scaled=raw)
+            covered = part.covers(i, j)[..., None]
+            cos = torch.where(covered, turned[0], 1.0 if cos is None else cos)
+            sin = torch.where(covered, turned[1], 0.0 if sin is None else sin)
+        if cos is None:
+            return query, key
+        near = self.rope(key[:, :, start:], cos, sin)
+        return query, near if start == 0 else torch.cat([key[:, :, :start], near], dim=2)
 
 
 class _Turned:
@@ -231,19 +256,38 @@ class _Turned:
 
     def queries(self, at: At) -> torch.Tensor:
         if ("q", at) not in self.done:
-            self.done["q", at] = self.call.rope(self.query, *self._cos_sin(at, self.past, self.key.shape[2]))
+            self.done["q", at] = self._turned(self.query, at, self.past, self.key.shape[2])
         return self.done["q", at]
 
     def keys(self, at: At, lowest: int) -> tuple[torch.Tensor, int]:
-        """The keys from ``lowest`` on, rotated at ``at`` (as stored where that is the identity), and ``lowest``."""
+        """The keys from ``lowest`` on, rotated at ``at`` (as stored where they sit there), and ``lowest``."""
         if ("k", at) not in self.done:
-            call = self.call
-            if at.fixed == 0 and call.frequencies.scaling == 1.0:
+            call, store = self.call, self.call.method.store
+            if at == store and (store != RAW or call.frequencies.scaling == 1.0):
                 self.done["k", at] = (self.key[:, :, lowest:], lowest)
             else:
-                rotated = call.rope(self.key[:, :, lowest:], *self._cos_sin(at, lowest, self.key.shape[2]))
-                self.done["k", at] = (rotated, lowest)
+                self.done["k", at] = (
+                    self._turned(self.key[:, :, lowest:], at, lowest, self.key.shape[2]),
+                    lowest,
+                )
         return self.done["k", at]
+
+    def _turned(self, x: torch.Tensor, at: At, begin: int, end: int) -> torch.Tensor:
+        """``x``, the cache's places ``begin .. end - 1`` as they come (at the method's store), turned to ``at``:
+        from raw, rotated there with the attention scaling; from a store, by a pure rotation of the difference."""
+        store = self.call.method.store
+        if store == RAW:
+            return self.call.rope(x, *self._cos_sin(at, begin, end))
+        if at == store:
+            return x
+        places = self._places(begin, end)
+        turn = at.angle(places) - store.angle(places)
+        return self.call.rope(x, *self.call.frequencies.cos_sin(turn, x.dtype, scaled=False))
+
+    def _places(self, begin: int, end: int) -> torch.Tensor:
+        """The model's positions of the cache's places ``begin .. end - 1``, ``(B|1, n)``."""
+        places = torch.arange(begin, end, device=self.query.device)[None]
+        return places if self.shift is None else places - self.shift[:, None]
 
     def _cos_sin(self, at: At, begin: int, end: int) -> CosSin:
         """cos/sin at ``at`` of the cache's places ``begin .. end - 1``."""
@@ -252,12 +296,9 @@ class _Turned:
             return _rows(
                 frequencies.at_distances(int(at.fixed) + 1, dtype, device), int(at.fixed), int(at.fixed) + 1
             )
-        if at == At() and self.past == 0 and begin == 0:
+        if at == MOVING and self.past == 0 and begin == 0:
             return self.call.own  # the model's own, at its positions (every place here is a new token)
-        places = torch.arange(begin, end, device=device)[None]
-        if self.shift is not None:
-            places = places - self.shift[:, None]
-        return frequencies.cos_sin(at.value(places), dtype, at.slower)
+        return frequencies.cos_sin(at.value(self._places(begin, end)), dtype, at.slower)
 
 
 def _reached(part: Part, first: int, last: int) -> tuple[int, int]:
