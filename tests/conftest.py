@@ -283,6 +283,71 @@ FORWARD_ATTNS = [*ATTNS, "sdpa+flex"]
 """Also flex's bands, which run no backward on the CPU."""
 
 
+ROPE_TYPES = {  # transformers' own rope_parameters, each with what the tiny model's RoPE needs
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8,
+        "rope_theta": 10000.0,
+    },
+    "yarn": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 8,
+        "rope_theta": 10000.0,
+    },
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+}
+OWN_FAMILIES = {
+    # a local layer (a window of 6 within the 16 tokens) and a global one, each with its own RoPE frequencies
+    "gemma3_text": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6},
+    "gpt_neox": {},  # partial rotary (a quarter of each head), sliced off before its own rotation
+    "smollm3": {"no_rope_layers": [1, 0]},  # the second layer is NoPE, left as it is
+}
+
+
+def assert_logits_match(patched, reference, inputs):
+    """``patched``'s logits on the real rows equal ``reference``'s (fp32 atol 1e-5); returns them."""
+    rows = inputs["attention_mask"].bool()
+    with torch.no_grad():
+        got, want = patched(**inputs).logits, reference(**inputs).logits
+    torch.testing.assert_close(got[rows], want[rows], atol=1e-5, rtol=1e-5)
+    return got[rows]
+
+
+def assert_unchanged(model, before) -> None:
+    """``model`` is as ``before`` (its copy from before a refused patch): the same weights, no per-instance
+    forward or patch state on any module, the same backend and config."""
+    assert model.state_dict().keys() == before.state_dict().keys()
+    assert all(torch.equal(v, before.state_dict()[k]) for k, v in model.state_dict().items())
+    for module, twin in zip(model.modules(), before.modules(), strict=True):
+        assert type(module) is type(twin) and module.__dict__.keys() == twin.__dict__.keys(), type(module)
+        hooks = ("_forward_hooks", "_forward_pre_hooks")
+        assert [len(getattr(module, h)) for h in hooks] == [len(getattr(twin, h)) for h in hooks]
+    assert model.config.to_dict() == before.config.to_dict()
+
+
+def assert_gradients_match(patched: torch.nn.Module, reference: torch.nn.Module, inputs: dict) -> None:
+    """Every weight's gradient of a loss on the real rows' logits: ``patched``'s equals ``reference``'s, relative
+    to its size (the patch's own parameters aside)."""
+    rows = inputs["attention_mask"].bool()
+    grads = []
+    for model in (patched, reference):
+        model.zero_grad()
+        model(**inputs).logits[rows].float().pow(2).mean().backward()
+        grads.append(
+            {n: p.grad for n, p in model.named_parameters() if p.grad is not None and "hfa" not in n}
+        )
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name, want in grads[1].items():
+        scale = want.abs().max() + 1e-12
+        assert ((grads[0][name] - want).abs().max() / scale) < 1e-4, name
+
+
 def patched_beside_reference(model: torch.nn.Module, options: dict):
     """(``model`` patched with ``options``, its eager reference (tests/reference.py)), the same weights."""
     reference = copy.deepcopy(model)
