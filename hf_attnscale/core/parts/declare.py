@@ -98,8 +98,9 @@ class Method(NamedTuple):
 
     @property
     def by_distance(self) -> bool:
-        """Whether every score depends on i − j alone: then positions are counted in the cache."""
-        return all(part.by_distance for part in self.parts)
+        """Whether every score depends on i − j alone, and the keys are stored raw: then positions are counted in
+        the cache."""
+        return self.store == RAW and all(part.by_distance for part in self.parts)
 
     @property
     def span(self) -> int:

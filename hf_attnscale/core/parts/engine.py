@@ -1,8 +1,9 @@
 """The engine: one attention call of a method declared in parts (`hf_attnscale.core.parts.declare`).
 
-The patched module's forward runs with the identity rotation (`hf_attnscale.core.install.routing`), so the call
-receives raw queries and keys, and the model's cache stores raw keys. Each part rotates them at its own positions
-and scores the pairs it covers; one softmax runs over every part (with the exit, where there is one):
+The patched module's forward rotates its queries and keys at the method's store in place of the model's
+positions (`hf_attnscale.core.install.routing`; ReRoPE's store is RAW: the identity), so the model's cache keeps
+each key there. Each part turns them from there to its own positions and scores the pairs it covers; one softmax
+runs over every part (with the exit, where there is one):
 
 * several queries (a prefill, or a chunk onto the cache): on CUDA under sdpa, with nothing flex lacks, each part
   is one compiled flex call over the whole sequence (`hf_attnscale.core.parts.flex_parts`); else the queries go in
@@ -13,7 +14,8 @@ and scores the pairs it covers; one softmax runs over every part (with the exit,
   relative to the query. Where every part depends on the distance alone (ReRoPE, leaky ReRoPE), the query is
   turned to the largest lower bound of a part (the window) and each key by its distance from there, from tables
   kept across layers and steps (`RotaryFrequencies.at_distances`), the keys a part holds fixed not at all; else
-  every key turns by its own part's angle.
+  the query is turned to where the unbounded part places it, and only the keys of the other parts turn (those
+  of the unbounded part sit where the store keeps them).
 
 Positions: a method whose scores depend on the distance alone counts it in the cache, so a row's distances are
 those of its tokens whenever its positions run on by one (`check_positions`). Others place queries and keys at
