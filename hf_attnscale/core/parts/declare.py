@@ -104,9 +104,9 @@ class Method(NamedTuple):
 
     @property
     def span(self) -> int:
-        """The least positive boundary between parts, in positions: a query chunk's natural length."""
-        bounds = [b * part.unit for part in self.parts for b in (part.lo, part.hi) if b]
-        return min(bounds)
+        """The least positive boundary between parts, in positions: a query chunk's natural length (1,024 where
+        the parts have none)."""
+        return min((b * part.unit for part in self.parts for b in (part.lo, part.hi) if b), default=1024)
 
 
 def rerope(window: int, leak: float | None = None) -> Method:
