@@ -106,7 +106,8 @@ class Method(NamedTuple):
     def span(self) -> int:
         """The least positive boundary between parts, in positions: a query chunk's natural length (1,024 where
         the parts have none)."""
-        return min((b * part.unit for part in self.parts for b in (part.lo, part.hi) if b), default=1024)
+        bounds = [b * part.unit for part in self.parts for b in (part.lo, part.hi) if b]
+        return min(bounds) if bounds else 1024  # (no `default=`: torch.compile takes min without it)
 
 
 def rerope(window: int, leak: float | None = None) -> Method:

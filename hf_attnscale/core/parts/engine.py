@@ -220,7 +220,8 @@ class PartsCall:
         anchor = next((part for part in method.parts if part.hi is None), method.parts[0])
         start = 0
         if not raw and anchor.hi is None and anchor.key == store:
-            reach = max((part.hi * part.unit for part in method.parts if part is not anchor), default=0)
+            reaches = [part.hi * part.unit for part in method.parts if part is not anchor]
+            reach = max(reaches) if reaches else 0  # (no `default=`: torch.compile takes max without it)
             start = max(0, k_len - reach)
         shift = _shift(position_ids, k_len - 1)
         i = torch.full((1, 1), k_len - 1, device=device) if shift is None else (k_len - 1 - shift)[:, None]
