@@ -310,10 +310,10 @@ def test_a_checkpoints_dual_chunk_config_is_honoured_explicit_options_replace_it
         assert torch.equal(model(**inputs).logits, plain(**inputs).logits)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("method", [pytest.param("self_extend", marks=pytest.mark.slow), "dca"])
 def test_torch_compile_takes_the_method_whole(method):
-    """No graph break in a forward or a decoding step (as ReRoPE's, tests/core/test_rerope.py)."""
+    """No graph break in a forward or a decoding step (as ReRoPE's, tests/core/test_rerope.py); Self-Extend's
+    step takes the same path as DCA's (from the store), under -m slow."""
     model = hfa.patch(sharp_model("llama"), **METHODS[method])
     ids = sharp_inputs(batch=1, padded=False)["input_ids"]
     torch._dynamo.reset()
