@@ -27,7 +27,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_attnscale as hfa
-from hf_attnscale.core.call import flex_parts, fused_exit, key_parts
+from hf_attnscale.core.call import fused_exit
+from hf_attnscale.core.parts import flex_parts, key_parts
 
 VARIANTS = {
     "unpatched": None,

@@ -43,8 +43,8 @@ VARIANTS = {  # name: (patch options, environment)
         {"HF_ATTNSCALE_FUSED_PARTS": "0", "HF_ATTNSCALE_FLEX_PARTS": "0"},
     ),
 }
-"""The default ReRoPE takes the device's fast path: the CPU's fused key parts (`hf_attnscale.core.call.key_parts`),
-CUDA's flex key bands (`hf_attnscale.core.call.flex_parts`); the public formulation, doubled channels through
+"""The default ReRoPE takes the device's fast path: the CPU's fused key parts (`hf_attnscale.core.parts.key_parts`),
+CUDA's flex key bands (`hf_attnscale.core.parts.flex_parts`); the public formulation, doubled channels through
 public sdpa, is what other devices run."""
 
 

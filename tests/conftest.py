@@ -208,10 +208,11 @@ def sharp_model(model_type: str = "llama", attn: str = "sdpa", seed: int = 0, **
 
 
 def watch_fused_parts(monkeypatch, on: bool) -> list:
-    """The CPU's fused key parts (`hf_attnscale.core.call.key_parts`) switched ``on`` or off for this test, their
+    """The CPU's fused key parts (`hf_attnscale.core.parts.key_parts`) switched ``on`` or off for this test, their
     first-use verdicts cleared so the test's own heads are checked; returns a list that each call of the kernel
     appends to."""
-    from hf_attnscale.core.call import cpu_flash, key_parts
+    from hf_attnscale.core.call import cpu_flash
+    from hf_attnscale.core.parts import key_parts
 
     monkeypatch.setenv(key_parts.ENV_SWITCH, "1" if on else "0")
     monkeypatch.setattr(key_parts.CHECK, "verdicts", {})
@@ -222,9 +223,9 @@ def watch_fused_parts(monkeypatch, on: bool) -> list:
 
 
 def count_flex_bands(monkeypatch) -> list:
-    """Each call of the flex key bands (`hf_attnscale.core.call.flex_parts`, CUDA's ReRoPE path) that served a
+    """Each call of the flex key bands (`hf_attnscale.core.parts.flex_parts`, CUDA's ReRoPE path) that served a
     model: outside their first-use check (its verdicts cleared first), and not handed back to the chunks."""
-    from hf_attnscale.core.call import flex_parts
+    from hf_attnscale.core.parts import flex_parts
 
     monkeypatch.setattr(flex_parts.CHECK, "verdicts", {})
     served, checking = [], []
@@ -251,11 +252,100 @@ def count_flex_bands(monkeypatch) -> list:
 def watch_flex_bands(monkeypatch) -> list:
     """The flex key bands switched on for the CPU, where flex runs uncompiled and forward only: their first-use
     check, which runs backward too, is the GPU suite's. Returns `count_flex_bands`' list."""
-    from hf_attnscale.core.call import flex_parts
+    from hf_attnscale.core.parts import flex_parts
 
     monkeypatch.setattr(flex_parts, "SERVED_DEVICES", {"cpu": 1})
     monkeypatch.setattr(flex_parts, "_check", lambda *args: None)
     return count_flex_bands(monkeypatch)
+
+
+@pytest.fixture
+def attn(request, monkeypatch):
+    """The backend by name, for the methods of key parts (ReRoPE, Self-Extend, DCA). "sdpa+fused" is sdpa with
+    the CPU's fused key parts on (the suite runs the public formulation every device runs), "sdpa+flex" with
+    CUDA's flex key parts, run on the CPU (forward only); there the fast path must have done the work, and with
+    a clipped softmax, which it cannot serve, never."""
+    name, _, fast = request.param.partition("+")
+    calls = watch_fused_parts(monkeypatch, fast == "fused")
+    if fast == "flex":
+        calls = watch_flex_bands(monkeypatch)
+    yield name
+    if fast == "fused":
+        from hf_attnscale.core.parts import key_parts
+
+        assert all(key_parts.CHECK.verdicts.values())
+    if fast:
+        assert bool(calls) == ("clipped" not in request.node.name), len(calls)
+
+
+ATTNS = ["sdpa", "sdpa+fused", "eager"]
+FORWARD_ATTNS = [*ATTNS, "sdpa+flex"]
+"""Also flex's bands, which run no backward on the CPU."""
+
+
+ROPE_TYPES = {  # transformers' own rope_parameters, each with what the tiny model's RoPE needs
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8,
+        "rope_theta": 10000.0,
+    },
+    "yarn": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 8,
+        "rope_theta": 10000.0,
+    },
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+}
+OWN_FAMILIES = {
+    # a local layer (a window of 6 within the 16 tokens) and a global one, each with its own RoPE frequencies
+    "gemma3_text": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6},
+    "gpt_neox": {},  # partial rotary (a quarter of each head), sliced off before its own rotation
+    "smollm3": {"no_rope_layers": [1, 0]},  # the second layer is NoPE, left as it is
+}
+
+
+def assert_logits_match(patched, reference, inputs):
+    """``patched``'s logits on the real rows equal ``reference``'s (fp32 atol 1e-5); returns them."""
+    rows = inputs["attention_mask"].bool()
+    with torch.no_grad():
+        got, want = patched(**inputs).logits, reference(**inputs).logits
+    torch.testing.assert_close(got[rows], want[rows], atol=1e-5, rtol=1e-5)
+    return got[rows]
+
+
+def assert_unchanged(model, before) -> None:
+    """``model`` is as ``before`` (its copy from before a refused patch): the same weights, no per-instance
+    forward or patch state on any module, the same backend and config."""
+    assert model.state_dict().keys() == before.state_dict().keys()
+    assert all(torch.equal(v, before.state_dict()[k]) for k, v in model.state_dict().items())
+    for module, twin in zip(model.modules(), before.modules(), strict=True):
+        assert type(module) is type(twin) and module.__dict__.keys() == twin.__dict__.keys(), type(module)
+        hooks = ("_forward_hooks", "_forward_pre_hooks")
+        assert [len(getattr(module, h)) for h in hooks] == [len(getattr(twin, h)) for h in hooks]
+    assert model.config.to_dict() == before.config.to_dict()
+
+
+def assert_gradients_match(patched: torch.nn.Module, reference: torch.nn.Module, inputs: dict) -> None:
+    """Every weight's gradient of a loss on the real rows' logits: ``patched``'s equals ``reference``'s, relative
+    to its size (the patch's own parameters aside)."""
+    rows = inputs["attention_mask"].bool()
+    grads = []
+    for model in (patched, reference):
+        model.zero_grad()
+        model(**inputs).logits[rows].float().pow(2).mean().backward()
+        grads.append(
+            {n: p.grad for n, p in model.named_parameters() if p.grad is not None and "hfa" not in n}
+        )
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name, want in grads[1].items():
+        scale = want.abs().max() + 1e-12
+        assert ((grads[0][name] - want).abs().max() / scale) < 1e-4, name
 
 
 def patched_beside_reference(model: torch.nn.Module, options: dict):

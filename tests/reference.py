@@ -167,6 +167,50 @@ def rerope_logits(q, k, window, leak, inv_freq, scale, layout="halves"):
     return out
 
 
+def method_positions(method, i, j):
+    """Where a pair of a query at position ``i`` and a key at ``j`` (broadcast, float64) is scored, ``(query's,
+    key's)``, by the papers' definitions: Self-Extend (LongLM: neighbours nearer than w at their own positions,
+    the rest with the query at ⌊i/G⌋ + w − ⌊w/G⌋ and the key at ⌊j/G⌋) and Dual Chunk Attention (ChunkLlama /
+    vLLM: c = s − l, the key at j mod c; the query at i mod c in the key's chunk, min(i mod c + c, s) in the next,
+    min(2c − 1, s) further on)."""
+    kind, first, second = method
+    i, j = torch.broadcast_tensors(i, j)
+    if kind == "self_extend":
+        group, window = first, second
+        near = (i - j) < window
+        far_q = torch.floor(i / group) + window - window // group
+        return torch.where(near, i, far_q), torch.where(near, j, torch.floor(j / group))
+    size, local = first, second
+    c = size - local
+    apart = torch.floor(i / c) - torch.floor(j / c)
+    inside = torch.remainder(i, c)
+    q = torch.where(
+        apart == 0,
+        inside,
+        torch.where(apart == 1, torch.clamp(inside + c, max=size), torch.full_like(i, min(2 * c - 1, size))),
+    )
+    return q, torch.remainder(j, c)
+
+
+def method_logits(q, k, method, positions, inv_freq, scale, layout="halves"):
+    """The scores ``(B,H,Tq,Tk)`` of raw ``q`` (B,H,Tq,D) and ``k`` (B,Hkv,Tk,D) under ``method`` (`method_positions`):
+    for each pair, q rotated at its query's position and k at its key's, as each pair's part says, one by one.
+    ``positions`` (B|1, Tk): every key's (the queries are the last Tq)."""
+    heads, q_len, k_len = q.shape[1], q.shape[2], k.shape[2]
+    k = k.repeat_interleave(heads // k.shape[1], dim=1)
+    positions = positions.to(torch.float64)
+    i, j = positions[:, k_len - q_len :, None], positions[:, None, :]  # (B, Tq, 1), (B, 1, Tk)
+    at_q, at_k = method_positions(method, i, j)  # (B, Tq, Tk) each
+    out = torch.empty(
+        max(q.shape[0], at_q.shape[0]), heads, q_len, k_len, dtype=torch.float64, device=q.device
+    )
+    for row in range(q_len):
+        q_turned = rotated(q[:, :, row : row + 1], at_q[:, None, row], inv_freq, scale, layout)  # (B,H,Tk,D)
+        k_turned = rotated(k, at_k[:, None, row], inv_freq, scale, layout)
+        out[:, :, row] = (q_turned * k_turned).sum(-1)
+    return out
+
+
 class ReferencePatch:
     """Per-layer reference parameters and options for `reference_forward` (set on the module as `hfa_ref`)."""
 
@@ -186,6 +230,10 @@ class ReferencePatch:
         gate=None,
         rerope_window=None,
         rerope_leak=None,
+        self_extend_group=None,
+        self_extend_window=None,
+        dual_chunk_size=None,
+        dual_chunk_local=None,
     ):
         self.apply_softcap = (
             apply_softcap  # eager caps the logits; sdpa ignores the cap, and so must its reference
@@ -197,6 +245,11 @@ class ReferencePatch:
         # ReRoPE: the reference model's rotary returns the identity, and `rerope_rope` holds the real one's
         # (inv_freq, attention scaling), set by `make_reference` for the layers that rotate.
         self.rerope = (rerope_window, rerope_leak) if rerope_window else None
+        self.method = None  # Self-Extend or DCA: ``(kind, first, second)`` for `method_positions`
+        if self_extend_group:
+            self.method = ("self_extend", self_extend_group, self_extend_window)
+        elif dual_chunk_size:
+            self.method = ("dual_chunk", dual_chunk_size, dual_chunk_local)
         self.rerope_rope = None
         self.gate_weight = self.gate_bias = None
         if clipped_softmax == "learnable":
@@ -240,6 +293,11 @@ def reference_forward(module, query, key, value, attention_mask, scaling=None, d
     logits = None
     if ref.rerope is not None and ref.rerope_rope is not None:
         logits = rerope_logits(query, key, *ref.rerope, *ref.rerope_rope())
+    if ref.method is not None and ref.rerope_rope is not None:
+        positions = kwargs.get("position_ids")
+        if positions is None or positions.shape[-1] != k_len:  # the model's default: the cache's places
+            positions = torch.arange(k_len, device=query.device)[None]
+        logits = method_logits(query, key, ref.method, positions, *ref.rerope_rope())
     out, weights = reference_attention(
         query,
         key,
@@ -302,7 +360,7 @@ def make_reference(model, attention_classes, **patch_kwargs):
                 module.register_forward_pre_hook(_remember_input, with_kwargs=True)
             refs.append(module.hfa_ref)
             layers.append(getattr(module, "layer_idx", len(layers)))
-    if patch_kwargs.get("rerope_window"):
+    if any(patch_kwargs.get(name) for name in ("rerope_window", "self_extend_group", "dual_chunk_size")):
         _raw_rope(model, refs, layers)
     return refs
 

@@ -101,6 +101,10 @@ def test_config_is_saved_in_model_config():
         "gate": None,
         "rerope_window": None,
         "rerope_leak": None,
+        "self_extend_group": None,
+        "self_extend_window": None,
+        "dual_chunk_size": None,
+        "dual_chunk_local": None,
         "rope_parameters": None,
         "version": 1,
     }
@@ -257,6 +261,10 @@ def test_every_patch_option_reaches_the_api_the_cli_and_lm_eval():
         "gate": (["--gate", "head"], "head", "head"),
         "rerope_window": (["--rerope-window", "8"], "8", 8),
         "rerope_leak": (["--rerope-window", "8", "--rerope-leak", "16"], "16", 16.0),
+        "self_extend_group": (["--self-extend-group", "4", "--self-extend-window", "8"], "4", 4),
+        "self_extend_window": (["--self-extend-group", "4", "--self-extend-window", "8"], "8", 8),
+        "dual_chunk_size": (["--dual-chunk-size", "12", "--dual-chunk-local", "2"], "12", 12),
+        "dual_chunk_local": (["--dual-chunk-size", "12", "--dual-chunk-local", "2"], "2", 2),
         "rope_parameters": (
             ["--rope-parameters", '{"rope_type": "yarn", "factor": 4}'],
             "rope_type=yarn;factor=4",

@@ -20,9 +20,10 @@ LAYERS = [
     "checkpoints",
     "core",
 ]
-# The core's rooms, in the same order: the patch in force (install) calls the attention call (call), which reads
+# The core's rooms, in the same order: the patch in force (install) installs the methods of key parts (parts),
+# which run on the attention call (call), which reads
 # the options; ``core/compat.py``, at the core's root, is below them all.
-CORE_ROOMS = ["install", "call", "options"]
+CORE_ROOMS = ["install", "parts", "call", "options"]
 CORE_ROOT_FILES_AT_MOST = 5
 # Function-level imports that are allowed: optional dependencies, and heavy imports needed on first use only.
 # The command line imports what each command needs when it runs, so that --help answers at once.

@@ -2,7 +2,7 @@
 the exit through sdpa in fp32, bf16 and fp16 at head dims 64 / 128 / 256 (one-token decoding with GQA, a
 prompt after a cache, padding), under autocast, with a learnable mask bias and beside a family's own sinks;
 streaming in chunks against token by token; batched generate with left padding; unpatch; bf16 at 32k tokens;
-ReRoPE (on CUDA under sdpa the flex key bands, with their check; else key parts on doubled channels) forward,
+ReRoPE, Self-Extend and DCA (on CUDA under sdpa the flex key parts, with their check; else key parts on side-by-side channels) forward,
 backward, generate and at 32k tokens, and a RoPE rescaling against the checkpoint loaded with it.
 
     python -m pytest -m gpu                  # on CUDA (every test skips where there is none)
@@ -41,7 +41,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.utils import is_flash_attn_2_available
 
 import hf_attnscale as hfa
-from hf_attnscale.core.call import exit, flex_parts
+from hf_attnscale.core.call import exit
+from hf_attnscale.core.parts import flex_parts
+from hf_attnscale.core.parts.declare import dual_chunk, rerope, self_extend
 
 pytestmark = pytest.mark.gpu
 
@@ -336,7 +338,10 @@ RE_ROPE = {  # window 4 on 16 tokens: most keys are far
     "rerope+logn": {"rerope_window": 4, "scale": "logn", "train_length": 2},
     "leaky+zero_kv": {"rerope_window": 4, "rerope_leak": 3.0, "zero_kv": True},
     "rerope+sink_learnable": {"rerope_window": 4, "sink_logit": "learnable"},
+    "self_extend+logn": {"self_extend_group": 2, "self_extend_window": 4, "scale": "logn", "train_length": 2},
+    "dca+sink_learnable": {"dual_chunk_size": 6, "dual_chunk_local": 2, "sink_logit": "learnable"},
 }
+"""ReRoPE and the other methods of key parts (Self-Extend, Dual Chunk Attention: chunks of 4 on 16 tokens)."""
 
 
 def rerope_pair(device: torch.device, attn: str, options: dict):
@@ -384,29 +389,38 @@ def test_rerope_matches_reference_on_the_device(device, attn, option, flex_bands
     assert (plain - outputs[0]).abs().max() > 1e-3, "ReRoPE changed nothing"
 
 
+@pytest.mark.parametrize("method", ["rerope", "self_extend", "dca"])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("exit_logits", [False, True])
 @pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
-def test_flex_bands_pass_their_check_on_the_device(device, dtype, exit_logits, masked):
+def test_flex_bands_pass_their_check_on_the_device(device, dtype, exit_logits, masked, method):
     """The check that guards CUDA's flex key bands, compiled, against the plain formula in float64 (forward and
     backward; forward alone without gradients, on 400 queries and on 64), at SmolLM2's heads (9 query, 3
     key-value, 64 wide)."""
     if device.type != "cuda":
         pytest.skip("flex key bands serve on CUDA")
     torch.compiler.reset()  # this process's earlier tests have compiled flex in many combinations
-    combination = flex_parts.Combination(dtype, 64, 9, 3, exit_logits, masked, None)
+    declared = {"rerope": rerope(2048), "self_extend": self_extend(4, 2048), "dca": dual_chunk(6144, 512)}[
+        method
+    ]
+    combination = flex_parts.Combination(
+        dtype, 64, 9, 3, (True,) if masked else (), exit_logits, masked, flex_parts.layout(declared)
+    )
     assert flex_parts._check(combination, device) is None
 
 
+@pytest.mark.parametrize("option", ["leaky+zero_kv", "self_extend+logn", "dca+sink_learnable"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_rerope_generate_through_the_cache_on_the_device(device, attn):
-    """Each decoding step's logits are the whole sequence's at that step, left padding included."""
-    model = hfa.patch(sharp_model("llama", attn, **HEADS), **RE_ROPE["leaky+zero_kv"]).to(device)
+def test_rerope_generate_through_the_cache_on_the_device(device, attn, option):
+    """Each decoding step's logits are the whole sequence's at that step (at generate()'s positions), left
+    padding included."""
+    model = hfa.patch(sharp_model("llama", attn, **HEADS), **RE_ROPE[option]).to(device)
     inputs = on(device, sharp_inputs(length=6))
     out = model.generate(**inputs, max_new_tokens=12, **GREEDY)
     mask = torch.cat([inputs["attention_mask"], torch.ones(2, 12, dtype=torch.long, device=device)], dim=1)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
     with torch.no_grad():
-        whole = model(input_ids=out.sequences, attention_mask=mask).logits
+        whole = model(input_ids=out.sequences, attention_mask=mask, position_ids=positions).logits
     torch.testing.assert_close(torch.stack(out.logits, 1), whole[:, 5:-1], atol=1e-4, rtol=1e-4)
 
 

@@ -175,6 +175,12 @@ def describe(options: dict[str, Any], sink_tokens: int, window: int | None) -> s
     rerope, leak = rest.pop("rerope_window", None), rest.pop("rerope_leak", None)
     if rerope is not None:
         parts.append(f"leaky ReRoPE(w={rerope}, k={leak:g})" if leak is not None else f"ReRoPE(w={rerope})")
+    group, neighbours = rest.pop("self_extend_group", None), rest.pop("self_extend_window", None)
+    if group is not None:
+        parts.append(f"Self-Extend(G={group}, w={neighbours})")
+    chunk, local = rest.pop("dual_chunk_size", None), rest.pop("dual_chunk_local", None)
+    if chunk is not None:
+        parts.append(f"DCA(s={chunk}, l={local})")
     scale, train_length, beta = (
         rest.pop("scale", "none"),
         rest.pop("train_length", None),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -129,6 +130,24 @@ def rerope_variant(train_length: int) -> Variant:
     window = max(1, train_length // RERoPE_WINDOW_SHARE)
     patch = {"rerope_window": window, "scale": "logn", "train_length": train_length}
     return Variant(f"ReRoPE + logn (w={window})", patch=patch)
+
+
+def self_extend_variant(train_length: int, longest: int) -> Variant:
+    """Self-Extend with neighbours a quarter of ``train_length`` (ReRoPE's window) and the least group that keeps
+    the largest grouped distance at ``longest`` tokens within ``train_length``: ``(T − w)/G + w ≤ L`` (LongLM's
+    rule)."""
+    window = max(1, train_length // RERoPE_WINDOW_SHARE)
+    group = max(2, math.ceil((longest - window) / max(1, train_length - window)))
+    patch = {"self_extend_group": group, "self_extend_window": window}
+    return Variant(f"Self-Extend (G={group}, w={window})", patch=patch)
+
+
+def dual_chunk_variant(train_length: int) -> Variant:
+    """Dual Chunk Attention with ChunkLlama's defaults for a model trained at L: chunks of ``3L/4``, local
+    ``L/16``."""
+    size, local = max(2, 3 * train_length // 4), max(1, train_length // 16)
+    patch = {"dual_chunk_size": size, "dual_chunk_local": local}
+    return Variant(f"DCA (s={size}, l={local})", patch=patch)
 
 
 def demo_variants(

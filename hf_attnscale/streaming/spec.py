@@ -91,10 +91,11 @@ def _check_module(module: nn.Module) -> tuple[nn.Module, str | None, Any]:
     state = state_of(module)
     if state is None:
         raise ValueError(UNPATCHED_MESSAGE)
-    if state.config.rerope_window is not None:
+    if (method := state.config.key_parts) is not None:
         raise ValueError(
-            "SinkCache cannot stream a model patched with rerope_window: a sink cache already keeps every distance "
-            "within its size (sink_tokens + window). Patch without rerope_window to stream."
+            f"SinkCache cannot stream a model patched with {method}: a sink cache already keeps every distance "
+            f"within its size (sink_tokens + window). Patch without {method} to stream (a checkpoint's "
+            "dual_chunk_attention_config: hfa.patch(model, config=hfa.AttnScaleConfig()))."
         )
     rotary = rotary_of(module)
     if rotary is None:

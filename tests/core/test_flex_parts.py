@@ -1,4 +1,4 @@
-"""Keys in bands of distance through flex_attention (`hf_attnscale.core.call.flex_parts`, CUDA's ReRoPE path)
+"""Keys in bands of distance through flex_attention (`hf_attnscale.core.parts.flex_parts`, CUDA's ReRoPE path)
 against the plain formula: one softmax over every band's visible keys (and the exit). Here flex runs uncompiled
 on the CPU, forward only, and reads every entry through the mask function, so the block lists that the compiled
 kernel follows (which blocks it skips, which it takes whole, with no mask) are tested against the definition
@@ -11,9 +11,10 @@ import math
 import pytest
 import torch
 
-from hf_attnscale.core.call import flex_parts, key_parts
-from hf_attnscale.core.call.flex_parts import Band
-from hf_attnscale.core.call.key_parts import KeyPart, plain_parts
+from hf_attnscale.core.parts import flex_parts, key_parts
+from hf_attnscale.core.parts.declare import At, Part
+from hf_attnscale.core.parts.flex_parts import Band
+from hf_attnscale.core.parts.key_parts import KeyPart, plain_parts
 
 SCALING = 0.3
 
@@ -27,7 +28,12 @@ def sample(q_len, k_len, bounds, heads=4, kv_heads=2, dim=16, seed=0):
 
     value = randn(2, kv_heads, k_len, dim)
     return [
-        Band(randn(2, heads, q_len, dim, scale=2.0), randn(2, kv_heads, k_len, dim, scale=2.0), value, lo, hi)
+        Band(
+            randn(2, heads, q_len, dim, scale=2.0),
+            randn(2, kv_heads, k_len, dim, scale=2.0),
+            value,
+            Part(lo, hi, At(), At()),
+        )
         for lo, hi in bounds
     ]
 
@@ -37,7 +43,7 @@ def definition(bands, visible, exit_logits):
     q_len, k_len = bands[0].query.shape[2], bands[0].key.shape[2]
     distance = torch.arange(k_len - q_len, k_len)[:, None] - torch.arange(k_len)
     shown = [
-        (distance >= band.lo) & (distance < band.hi) & (True if visible is None else visible)
+        (distance >= band.part.lo) & (distance < band.part.hi) & (True if visible is None else visible)
         for band in bands
     ]
     parts = [KeyPart(*(t.double() for t in band[:3]), seen) for band, seen in zip(bands, shown)]

@@ -1,4 +1,4 @@
-"""Keys in parts under one softmax (`hf_attnscale.core.call.key_parts`, ReRoPE's near and far keys): the fused CPU
+"""Keys in parts under one softmax (`hf_attnscale.core.parts.key_parts`, ReRoPE's near and far keys): the fused CPU
 path and the public one against a row-by-row definition, forward and backward; the first-use check against
 injected faults; and what never reaches the kernel."""
 
@@ -13,8 +13,10 @@ from core.test_exit import Attention
 from core.test_fused_exit import FAULTS
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from hf_attnscale.core.call import cpu_flash, exit, key_parts
-from hf_attnscale.core.call.key_parts import KeyPart
+from hf_attnscale.core.call import cpu_flash, exit
+from hf_attnscale.core.call.hooks import Execution
+from hf_attnscale.core.parts import key_parts
+from hf_attnscale.core.parts.key_parts import KeyPart
 
 HEADS, KV_HEADS, DIM, QUERIES, SCALING = 4, 2, 8, 6, 0.4
 SINKS = torch.tensor([0.0, 1.5, -2.0, 3.0])
@@ -153,7 +155,7 @@ def switched_on(monkeypatch):
 
 
 def through_attention(parts, sinks, fusable=True):
-    return key_parts.attention(backend(sinks), parts, sinks, SCALING, fusable=fusable)
+    return key_parts.attention(Execution(backend(sinks), sinks, SCALING, fusable), parts)
 
 
 def test_checked_once_then_fused(switched_on):

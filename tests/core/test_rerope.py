@@ -13,43 +13,31 @@ import pytest
 import torch
 import transformers
 from conftest import (
+    ATTNS,
     DECODERS,
+    FORWARD_ATTNS,
     GREEDY,
+    ROPE_TYPES,
     SHARP_VOCAB,
     OperatorCount,
+    assert_gradients_match,
+    assert_logits_match,
+    assert_unchanged,
     patched_beside_reference,
     sharp_inputs,
     sharp_model,
     stream_logits,
     tiny_model,
     watch_flex_bands,
-    watch_fused_parts,
 )
 from model_zoo import EAGER_ONLY, LOGIT_TOLERANCE, family_types, head_of, reference_of, zoo_model
 
 import hf_attnscale as hfa
-from hf_attnscale.core.call import key_parts, rerope, rope
+from hf_attnscale.core.call import rope
+from hf_attnscale.core.parts import engine
+from hf_attnscale.core.parts.declare import rerope
 
 WINDOW, LEAK, LENGTH = 4, 3.0, 16
-ROPE_TYPES = {  # transformers' own rope_parameters, each with what the tiny model's RoPE needs
-    "default": None,
-    "linear": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
-    "llama3": {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8,
-        "rope_theta": 10000.0,
-    },
-    "yarn": {
-        "rope_type": "yarn",
-        "factor": 4.0,
-        "original_max_position_embeddings": 8,
-        "rope_theta": 10000.0,
-    },
-    "dynamic": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
-}
 OPTIONS = {
     "rerope": {"rerope_window": WINDOW},
     "leaky": {"rerope_window": WINDOW, "rerope_leak": LEAK},
@@ -61,42 +49,12 @@ OPTIONS = {
 }
 
 
-@pytest.fixture
-def attn(request, monkeypatch):
-    """The backend by name. "sdpa+fused" is sdpa with the CPU's fused key parts on (the suite runs the public
-    formulation every device runs, tests/conftest.py), "sdpa+flex" with CUDA's flex key bands, run on the CPU
-    (forward only); there the fast path must have done the work, and with a clipped softmax, which it cannot
-    serve, never."""
-    name, _, fast = request.param.partition("+")
-    calls = watch_fused_parts(monkeypatch, fast == "fused")
-    if fast == "flex":
-        calls = watch_flex_bands(monkeypatch)
-    yield name
-    if fast == "fused":
-        assert all(key_parts.CHECK.verdicts.values())
-    if fast:
-        assert bool(calls) == ("clipped" not in request.node.name), len(calls)
-
-
-ATTNS = ["sdpa", "sdpa+fused", "eager"]
-FORWARD_ATTNS = [*ATTNS, "sdpa+flex"]
-"""Also flex's bands, which run no backward on the CPU."""
-
-
-def _assert_matches(patched, reference, inputs):
-    rows = inputs["attention_mask"].bool()
-    with torch.no_grad():
-        got, want = patched(**inputs).logits, reference(**inputs).logits
-    torch.testing.assert_close(got[rows], want[rows], atol=1e-5, rtol=1e-5)
-    return got[rows]
-
-
 @pytest.mark.parametrize("attn", FORWARD_ATTNS, indirect=True)
 @pytest.mark.parametrize("option", list(OPTIONS))
 @pytest.mark.parametrize("model_type", list(DECODERS))
 def test_matches_reference(model_type, option, attn):
     patched, reference = patched_beside_reference(sharp_model(model_type, attn), OPTIONS[option])
-    got = _assert_matches(patched, reference, sharp_inputs())
+    got = assert_logits_match(patched, reference, sharp_inputs())
     hfa.unpatch(patched)
     with torch.no_grad():
         plain = patched(**sharp_inputs()).logits[sharp_inputs()["attention_mask"].bool()]
@@ -129,53 +87,12 @@ def test_every_decoder_is_served_exactly_or_refused_in_one_line(model_type):
     assert (unchanged - got).abs().max() > 1e-3, "ReRoPE changed nothing"
 
 
-@pytest.mark.parametrize("option", ["rerope", "leaky"])
-@pytest.mark.parametrize("rope_type", list(ROPE_TYPES))
-def test_the_models_own_rope_types(rope_type, option):
-    """At the clamped distances, the model's own RoPE: its rope type's frequencies and attention scaling."""
-    model = sharp_model("llama", max_position_embeddings=8, rope_parameters=ROPE_TYPES[rope_type])
-    patched, reference = patched_beside_reference(model, OPTIONS[option])
-    _assert_matches(patched, reference, sharp_inputs(length=12))  # past 8: YaRN, llama3 and dynamic NTK act
-
-
-OWN_FAMILIES = {
-    # a local layer (a window of 6 within the 16 tokens) and a global one, each with its own RoPE frequencies
-    "gemma3_text": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6},
-    "gpt_neox": {},  # partial rotary (a quarter of each head), sliced off before its own rotation
-    "smollm3": {"no_rope_layers": [1, 0]},  # the second layer is NoPE, left as it is
-}
-
-
-@pytest.mark.parametrize("model_type", list(OWN_FAMILIES))
-def test_families_of_their_own(model_type):
-    model = zoo_model(model_type, "sdpa", **OWN_FAMILIES[model_type])
-    plain = copy.deepcopy(model)
-    patched, reference = patched_beside_reference(model, OPTIONS["rerope+logn"])
-    inputs = sharp_inputs(vocab=min(patched.config.get_text_config().vocab_size, 100))
-    got = _assert_matches(patched, reference, inputs)
-    with torch.no_grad():
-        unchanged = plain(**inputs).logits[inputs["attention_mask"].bool()]
-    assert (unchanged - got).abs().max() > 1e-3, "ReRoPE changed nothing"
-
-
 @pytest.mark.parametrize("attn", ATTNS, indirect=True)
 @pytest.mark.parametrize("model_type", list(DECODERS))
 def test_gradients_match_reference(model_type, attn):
     options = {"rerope_window": WINDOW, "rerope_leak": LEAK, "sink_logit": "learnable"}
     patched, reference = patched_beside_reference(sharp_model(model_type, attn), options)
-    inputs = sharp_inputs()
-    rows = inputs["attention_mask"].bool()
-    grads = []
-    for model in (patched, reference):
-        model.zero_grad()
-        model(**inputs).logits[rows].float().pow(2).mean().backward()
-        grads.append(
-            {n: p.grad for n, p in model.named_parameters() if p.grad is not None and "hfa" not in n}
-        )
-    assert grads[0].keys() == grads[1].keys() and grads[0]
-    for name, want in grads[1].items():
-        scale = want.abs().max() + 1e-12
-        assert ((grads[0][name] - want).abs().max() / scale) < 1e-4, name
+    assert_gradients_match(patched, reference, sharp_inputs())
     sink = next(m.hfa.sink for m in patched.modules() if hasattr(m, "hfa"))
     assert sink.grad is not None and sink.grad.abs().sum() > 0
 
@@ -316,7 +233,7 @@ def test_a_sliding_window_within_the_input(attn, sliding):
     model = sharp_model("mistral", attn, sliding_window=sliding)
     patched, reference = patched_beside_reference(model, OPTIONS["rerope"])
     inputs = sharp_inputs(padded=False)
-    _assert_matches(patched, reference, inputs)
+    assert_logits_match(patched, reference, inputs)
     out = patched.generate(input_ids=inputs["input_ids"][:, :8], max_new_tokens=8, **GREEDY)
     with torch.no_grad():
         whole = reference(input_ids=out.sequences).logits
@@ -343,8 +260,8 @@ def test_packed_sequences_equal_each_alone(attn, option, monkeypatch):
     first, second = torch.randint(3, SHARP_VOCAB, (1, 9)), torch.randint(3, SHARP_VOCAB, (1, 7))
     positions = torch.cat([torch.arange(9), torch.arange(7)])[None]
     checked = []
-    remember = rerope._CHECKED.remember
-    monkeypatch.setattr(rerope._CHECKED, "remember", lambda *args: checked.append(args) or remember(*args))
+    remember = engine._CHECKED.remember
+    monkeypatch.setattr(engine._CHECKED, "remember", lambda *args: checked.append(args) or remember(*args))
     with torch.no_grad():
         packed = model(torch.cat([first, second], 1), position_ids=positions, use_cache=False).logits
         alone = torch.cat([model(first).logits, model(second).logits], 1)
@@ -413,10 +330,10 @@ def test_a_one_row_mask_with_more_columns_than_keys(jump):
     positions = (torch.arange(5) + 2 + 3 * jump * (torch.arange(5) > 2))[None]
     mask = torch.ones(1, 1, 1, 2 + 5 + 1, dtype=torch.bool)
     if not jump:
-        rerope.check_positions(positions, mask, past=2)
+        engine.check_positions(rerope(4), positions, mask, past=2)
         return
     with pytest.raises(ValueError, match="position_ids jump or restart"):
-        rerope.check_positions(positions, mask, past=2)
+        engine.check_positions(rerope(4), positions, mask, past=2)
 
 
 def test_a_forwards_positions_are_checked_once_per_mask(monkeypatch):
@@ -425,8 +342,8 @@ def test_a_forwards_positions_are_checked_once_per_mask(monkeypatch):
     model = zoo_model("gemma3_text", "sdpa", num_hidden_layers=4, layer_types=types, sliding_window=6)
     hfa.patch(model, **OPTIONS["rerope"])
     checked = []
-    remember = rerope._CHECKED.remember
-    monkeypatch.setattr(rerope._CHECKED, "remember", lambda *args: checked.append(args) or remember(*args))
+    remember = engine._CHECKED.remember
+    monkeypatch.setattr(engine._CHECKED, "remember", lambda *args: checked.append(args) or remember(*args))
     with torch.no_grad():
         model(**sharp_inputs(vocab=min(model.config.vocab_size, 100)))
     assert len(checked) == 2
@@ -465,7 +382,7 @@ def test_flex_past_its_recompile_limit_takes_the_chunks(monkeypatch, onto_a_cach
     prefill, and for chunks onto a cache, whose near keys the bands counted from the first."""
     from transformers import DynamicCache
 
-    from hf_attnscale.core.call import flex_parts
+    from hf_attnscale.core.parts import flex_parts
 
     served, refused = watch_flex_bands(monkeypatch), []
 
@@ -482,7 +399,7 @@ def test_flex_past_its_recompile_limit_takes_the_chunks(monkeypatch, onto_a_cach
                 chunked = stream_logits(patched, ids, DynamicCache(config=patched.config), [5, 7, 4])
                 torch.testing.assert_close(chunked, reference(ids).logits, atol=1e-5, rtol=1e-5)
         else:
-            _assert_matches(patched, reference, sharp_inputs())
+            assert_logits_match(patched, reference, sharp_inputs())
     assert refused and not served
 
 
@@ -490,14 +407,12 @@ def test_flex_past_its_recompile_limit_takes_the_chunks(monkeypatch, onto_a_cach
 def test_long_input_runs_in_query_chunks(monkeypatch, attn):
     """Where the mask bounds a chunk to fewer queries than the window, the queries run in those pieces (3, and
     1 last), with the same result."""
-    from hf_attnscale.core.call import rerope
-
     patched, reference = patched_beside_reference(sharp_model("llama", attn), OPTIONS["leaky"])
-    monkeypatch.setattr(rerope, "MASK_CHUNK", 3 * (LENGTH + WINDOW))
+    monkeypatch.setattr(engine, "MASK_CHUNK", 3 * (LENGTH + WINDOW))
     chunks = []
-    part = rerope.KeyPart
-    monkeypatch.setattr(rerope, "KeyPart", lambda q, *rest: chunks.append(q.shape[2]) or part(q, *rest))
-    _assert_matches(patched, reference, sharp_inputs())
+    part = engine.KeyPart
+    monkeypatch.setattr(engine, "KeyPart", lambda q, *rest: chunks.append(q.shape[2]) or part(q, *rest))
+    assert_logits_match(patched, reference, sharp_inputs())
     assert set(chunks) == {3, 1}, chunks  # 16 queries: five chunks of 3, then 1 (unbounded: 4, the window)
 
 
@@ -532,18 +447,6 @@ def test_invalid_options_are_one_line(options, message):
     assert "\n" not in str(error.value)
     assert hfa.get_config(model) is None
     assert_unchanged(model, before)
-
-
-def assert_unchanged(model, before) -> None:
-    """``model`` is as ``before`` (its copy from before a refused patch): the same weights, no per-instance
-    forward or patch state on any module, the same backend and config."""
-    assert model.state_dict().keys() == before.state_dict().keys()
-    assert all(torch.equal(v, before.state_dict()[k]) for k, v in model.state_dict().items())
-    for module, twin in zip(model.modules(), before.modules(), strict=True):
-        assert type(module) is type(twin) and module.__dict__.keys() == twin.__dict__.keys(), type(module)
-        hooks = ("_forward_hooks", "_forward_pre_hooks")
-        assert [len(getattr(module, h)) for h in hooks] == [len(getattr(twin, h)) for h in hooks]
-    assert model.config.to_dict() == before.config.to_dict()
 
 
 @pytest.mark.parametrize(

@@ -47,8 +47,8 @@ from hf_attnscale.checkpoints.real import (
     RegistryUnreachable,
     fetch_gguf,
 )
-from hf_attnscale.core.call import key_parts
 from hf_attnscale.core.install.families import attention_modules
+from hf_attnscale.core.parts import key_parts
 from hf_attnscale.evaluation.corpus import builtin_documents
 from hf_attnscale.evaluation.passkey import passkey_prompts
 

@@ -39,9 +39,9 @@ class Backend:
         soft_caps: the backend applies a family's ``softcap`` to the scores (sdpa ignores it).
         exit: how the exit (zero_kv / sink logit) runs on it.
         exit_on_cpu: whether the exit can run on the CPU (flex's sinks need CUDA: transformers' own limit).
-        fused_parts: ReRoPE's key parts may take a fused kernel in place of the backend, PyTorch's flash kernel
-            on the CPU (`hf_attnscale.core.call.key_parts`) and flex_attention on CUDA
-            (`hf_attnscale.core.call.flex_parts`): the backend is sdpa, whose kernels these are.
+        fused_parts: a method's key parts may take a fused kernel in place of the backend, PyTorch's flash kernel
+            on the CPU (`hf_attnscale.core.parts.key_parts`) and flex_attention on CUDA
+            (`hf_attnscale.core.parts.flex_parts`): the backend is sdpa, whose kernels these are.
     """
 
     name: str

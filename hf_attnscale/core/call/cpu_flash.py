@@ -1,7 +1,7 @@
 """PyTorch's CPU flash-attention kernel, which returns its log-sum-exp, and when a fast CPU path may take it.
 
 Two fast CPU paths use the kernel: the exit (`hf_attnscale.core.call.fused_exit`) and keys in parts
-(`hf_attnscale.core.call.key_parts`, ReRoPE's near and far keys). The kernel is private, so neither trusts it
+(`hf_attnscale.core.parts.key_parts`, the key parts of ReRoPE, Self-Extend and DCA). The kernel is private, so neither trusts it
 unchecked: each combination a path would serve passes a `hf_attnscale.core.call.first_use.FirstUseCheck` first.
 Each path has its own switch in the environment (``=0`` turns it off).
 """

@@ -1,5 +1,6 @@
 """The first-use check that guards each fast path: the CPU's fused exit and key parts (their private kernel,
-`hf_attnscale.core.call.cpu_flash`) and CUDA's flex key bands (`hf_attnscale.core.call.flex_parts`).
+`hf_attnscale.core.call.cpu_flash`; the key parts' in `hf_attnscale.core.parts.key_parts`) and CUDA's flex key
+parts (`hf_attnscale.core.parts.flex_parts`).
 
 Each combination of shapes and options a path would serve runs once, at its first use, forward and backward on a
 sharp input against a reference (the exit: its public formulation; key parts and bands: the plain formula in
@@ -69,3 +70,20 @@ def compare(
         if not error <= tolerance:  # NaN fails too
             return f"{name} differs by {error:.2g} of its size"
     return None
+
+
+def reason(check: Callable[[], str | None]) -> str | None:
+    """``check()``, or why it failed where it raised: any failure of a kernel or the compiler means do not use
+    it (the one wording of every check's error)."""
+    try:
+        return check()
+    except Exception as error:
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """How far a fast path may be from its reference, relative to its size: float32's, else half precision's
+    (TF32 matmuls, where PyTorch is set to them, count as half)."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return 1e-5
+    return 3e-3 if dtype == torch.float32 else 3e-2

@@ -192,7 +192,8 @@ def _check(combination: Combination, backend_fn, module, scaling) -> str | None:
         mask = visible if mask_type == torch.bool else additive_mask(visible, mask_type)
     stand_in = SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=causal, training=False)
     inputs = (query, key, value, exit_logits)
-    try:
+
+    def compared() -> str | None:
         fused = fused_exit_attention(stand_in, query, key, value, mask, exit_logits, causal, scaling)
         public = sdpa_exit_attention(
             backend_fn, stand_in, query, key, value, mask, exit_logits, causal, scaling=scaling
@@ -200,8 +201,9 @@ def _check(combination: Combination, backend_fn, module, scaling) -> str | None:
         cotangent = torch.randn(public.shape, generator=generator).to(dtype)
         fused_grads = torch.autograd.grad(fused, inputs, cotangent)
         public_grads = torch.autograd.grad(public, inputs, cotangent)
-    except Exception as error:  # any failure of the kernel means: do not use it
-        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
-    names = ("output", "dq", "dk", "dv", "dexit")
-    return first_use.compare((fused, *fused_grads), (public, *public_grads), names, tolerance)
+        names = ("output", "dq", "dk", "dv", "dexit")
+        return first_use.compare(
+            (fused, *fused_grads), (public, *public_grads), names, first_use.tolerance(dtype)
+        )
+
+    return first_use.reason(compared)

@@ -1,8 +1,8 @@
 """What one caller adds to the attention calls it makes, carried by the call and never stored on a module.
 
 A model object is shared: a server runs it from many threads, each stream with its own cache. So whatever one
-call needs beyond the patch (a `SinkCache`'s sink channels, a diagnostics probe) travels with that
-call. Two carriers, read in this order by `scaled_attention`:
+call needs beyond the patch (a `SinkCache`'s sink channels, a diagnostics probe, a method's key parts) travels
+with that call. Two carriers, read in this order by `scaled_attention`:
 
 1. the keyword argument ``hfa_hooks`` of the attention module's forward, which transformers passes down to the
    attention function (a cache that runs the step itself passes it there);
@@ -17,11 +17,9 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-
-from hf_attnscale.core.call.rerope import ReRoPECall
 
 HOOKS_KWARG = "hfa_hooks"
 """Name of the keyword argument that carries `CallHooks` down to the attention function."""
@@ -35,13 +33,32 @@ class CallHooks:
         query: maps the query ``(B, H, Tq, D)`` before the scale law (a SinkCache call with sink channels widens it).
         output: maps the attention output ``(B, Tq, H, Dv)`` (a SinkCache call with sink channels drops its padding).
         probe: called with what the backend is about to compute (`hf_attnscale.diagnostics`).
-        rerope: the call runs ReRoPE over raw queries and keys (`hf_attnscale.core.call.rerope`).
+        parts: runs the call over raw queries and keys, as a method of key parts
+            (`hf_attnscale.core.parts.engine.PartsCall`): ``parts(run, q, k, v, mask, sliding_window=...,
+            position_ids=...) -> (B, Tq, H, Dv)``, through what the backend runs (`Execution`).
     """
 
     query: Callable[[torch.Tensor], torch.Tensor] | None = None
     output: Callable[[torch.Tensor], torch.Tensor] | None = None
     probe: Callable[..., None] | None = None
-    rerope: ReRoPECall | None = None
+    parts: Callable[..., torch.Tensor] | None = None
+
+
+ChunkFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]
+]
+"""The backend's call on one chunk: ``(q, k, v, additive mask) -> ((B, c, H, Dv) output, weights or None)``."""
+
+
+class Execution(NamedTuple):
+    """What a call hands its key parts to run on: the backend's call (with the exit, or the clipped formula), the
+    exit's per-head logits and the scale of the scores for the fast paths, and whether they may serve (sdpa,
+    with nothing their kernels lack: no dropout, soft-cap, position bias or clipped softmax)."""
+
+    chunk: ChunkFn
+    exit_logits: torch.Tensor | None
+    scaling: float | None
+    fusable: bool
 
 
 _AMBIENT: contextvars.ContextVar[CallHooks | None] = contextvars.ContextVar("hfa_hooks", default=None)

@@ -134,15 +134,18 @@ class RotaryFrequencies:
             return None
         return cls(inv_freq, float(scaling))
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, slower: float = 1.0) -> CosSin:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype, slower: float = 1.0, scaled: bool = True
+    ) -> CosSin:
         """cos, sin at ``positions`` ``(B, n)`` (any reals), ``(B, n, rotary_dim)``, angles in float64; the
-        frequencies divided by ``slower`` (leaky ReRoPE's second RoPE)."""
+        frequencies divided by ``slower`` (leaky ReRoPE's second RoPE); without the attention scaling where not
+        ``scaled`` (a pure turn of what is rotated already)."""
         inv_freq = self.inv_freq.detach().to(positions.device, torch.float64)
         if slower != 1.0:
             inv_freq = inv_freq / slower
         angles = positions.to(torch.float64)[..., None] * torch.cat([inv_freq, inv_freq])
         cos, sin = angles.cos(), angles.sin()
-        if self.scaling != 1.0:
+        if self.scaling != 1.0 and scaled:
             cos, sin = cos * self.scaling, sin * self.scaling
         return cos.to(dtype), sin.to(dtype)
 

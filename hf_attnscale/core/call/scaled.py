@@ -7,7 +7,9 @@ The steps, for each call that reaches a module carrying a patch state (`hf_attns
 2. multiply the query by the scale law of n (`hf_attnscale.core.options.laws`), on top of the model's own scaling;
 3. add the exit (zero_kv / sink logit): natively where the backend has sinks (flash, flex), else as one more
    zero-valued key (`hf_attnscale.core.call.exit`): on extra channels through public sdpa, or a mask column (eager);
-4. run the inner backend; or, with a clipped softmax, its eager formula (`hf_attnscale.core.call.clipped`).
+4. run the inner backend; or, with a clipped softmax, its eager formula (`hf_attnscale.core.call.clipped`);
+   under a method of key parts (ReRoPE, Self-Extend, DCA) hand the backend's call to the call's parts
+   (`hf_attnscale.core.parts.engine`), which run it on each of theirs.
 
 A call may bring hooks of its own (`hf_attnscale.core.call.hooks`): a query map, an output map, a probe.
 
@@ -19,15 +21,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hf_attnscale.core.call import flex_parts, key_parts
 from hf_attnscale.core.call.backends import Backend
 from hf_attnscale.core.call.clipped import clipped_softmax_attention
 from hf_attnscale.core.call.exit import AttentionFn
 from hf_attnscale.core.call.gate import apply_gate
-from hf_attnscale.core.call.hooks import CallHooks
+from hf_attnscale.core.call.hooks import CallHooks, Execution
 from hf_attnscale.core.call.masks import visible_key_counts
 from hf_attnscale.core.call.memo import memoize
-from hf_attnscale.core.call.rerope import rerope_attention
 from hf_attnscale.core.call.state import AttnScaleState
 from hf_attnscale.core.options.laws import query_multiplier
 
@@ -47,8 +47,8 @@ def scaled_attention(
     """Apply the patch around one call of ``backend_fn``, the function of ``backend``; ``hooks`` are this
     call's own additions (`hf_attnscale.core.call.hooks`). Shapes: q ``(B,H,Tq,D)``, k/v ``(B,Hkv,Tk,D)``."""
     config = state.config
-    if hooks is not None and (hooks.query is not None or hooks.rerope is not None):
-        # a SinkCache's sink channels and ReRoPE's copies widen the query: the model's scale is of the head dim
+    if hooks is not None and (hooks.query is not None or hooks.parts is not None):
+        # a SinkCache's sink channels and joined key parts widen the query: the model's scale is of the head dim
         kwargs["scaling"] = kwargs.get("scaling") or query.shape[-1] ** -0.5
     if hooks is not None and hooks.query is not None:
         query = hooks.query(query)
@@ -101,13 +101,12 @@ def scaled_attention(
             backend_fn, module, query, key, value, attention_mask, exit_logits, causal, **kwargs
         )
 
-    rerope = None if hooks is None else hooks.rerope
-    if rerope is None:
+    parts = None if hooks is None else hooks.parts
+    if parts is None:
         out, weights = attend(query, key, value, attention_mask)
-    else:  # ReRoPE: each chunk's near and far keys, under one softmax
+    else:  # a method of key parts: each of its parts a call of the backend, under one softmax
         sliding_window = kwargs.pop("sliding_window", None)
         kwargs["is_causal"] = False
-        scaling = kwargs.get("scaling")
         fusable = (
             backend.fused_parts
             and config.clipped_softmax is None
@@ -115,29 +114,11 @@ def scaled_attention(
             and kwargs.get("softcap") is None
             and kwargs.get("position_bias") is None
         )
-
-        def attend_parts(parts):
-            chunk = lambda q, k, v, mask: attend(q, k, v, mask, causal=False)  # noqa: E731
-            return key_parts.attention(chunk, parts, exit_logits, scaling, fusable=fusable)
-
-        def attend_bands(bands, visible):
-            return flex_parts.attention(bands, visible, exit_logits, scaling)
-
-        use_bands = (
-            fusable
-            and query.shape[2] > 1
-            and flex_parts.serves(query, key, value, exit_logits, attention_mask is not None, scaling)
-        )
-        out = rerope_attention(
-            attend_parts,
-            rerope,
-            query,
-            key,
-            value,
-            attention_mask,
-            sliding_window=sliding_window,
-            bands=attend_bands if use_bands else None,
-            position_ids=kwargs.get("position_ids"),
+        chunk = lambda q, k, v, mask: attend(q, k, v, mask, causal=False)  # noqa: E731
+        run = Execution(chunk, exit_logits, kwargs.get("scaling"), fusable)
+        position_ids = kwargs.get("position_ids")
+        out = parts(
+            run, query, key, value, attention_mask, sliding_window=sliding_window, position_ids=position_ids
         )
         weights = None
     if hooks is not None and hooks.output is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,12 +50,18 @@ from hf_attnscale.core.install.offload import (
     restore_forward,
     set_forward,
 )
-from hf_attnscale.core.install.rerope import rerope_rotaries
+from hf_attnscale.core.install.parts import parts_rotaries
 from hf_attnscale.core.install.rescaling import RotarySlot, own_rotary, put, rescaled, rotary_slots
 from hf_attnscale.core.install.routing import ROTARY_ATTR, cache_routed_forward
 from hf_attnscale.core.install.weights import CheckpointNotFound, read_tensors, safetensors_files
 from hf_attnscale.core.install.wrappers import unwrap
-from hf_attnscale.core.options.config import CONFIG_KEY, AttnScaleConfig, read_saved_config
+from hf_attnscale.core.options.config import (
+    CONFIG_KEY,
+    AttnScaleConfig,
+    checkpoint_dual_chunk,
+    read_saved_config,
+)
+from hf_attnscale.core.parts.declare import method_of
 
 M = TypeVar("M", bound=nn.Module)
 """Where a patched RoPE attention module keeps ``(the model's rotary embedding, its layer type)``: in its
@@ -66,7 +73,8 @@ def patch(model: M, *, config: AttnScaleConfig | None = None, **options: Any) ->
 
     With no options, applies the patch saved in ``model.config`` (after ``from_pretrained``), learned exit
     logits and SSMax slopes included, read from the checkpoint the model was loaded from (see `hfa.from_pretrained`,
-    which also works when that folder has moved); with none saved, installs the identity patch (what
+    which also works when that folder has moved); with none saved, the Dual Chunk Attention the checkpoint's
+    ``dual_chunk_attention_config`` asks for (Qwen2.5-1M's; with a one-line note), else the identity patch (what
     `SinkCache` streaming needs). Patching with the patch already in force changes nothing; another patch
     replaces it (it never stacks). The model is never left half-patched: on any error it stays as it was.
     Any wrapper is accepted (PEFT, DataParallel / DDP, torch.compile), and so is an inner model
@@ -81,6 +89,8 @@ def patch(model: M, *, config: AttnScaleConfig | None = None, **options: Any) ->
         >>> hfa.patch(model, scale="logn", train_length=4096, zero_kv=True)
         >>> hfa.patch(model, rerope_window=2048, scale="logn", train_length=8192)  # ReRoPE + logn, past 8k
         >>> hfa.patch(model, rope_parameters={"rope_type": "yarn", "factor": 4.0})  # YaRN on a loaded model
+        >>> hfa.patch(model, self_extend_group=4, self_extend_window=1024)  # Self-Extend
+        >>> hfa.patch(model, dual_chunk_size=6144, dual_chunk_local=512)  # Dual Chunk Attention
     """
     requested = AttnScaleConfig.from_options(**options)
     if config is not None and requested is not None:
@@ -100,13 +110,16 @@ def apply(root: nn.Module, requested: AttnScaleConfig | None, checkpoint: list[P
     ``root.config._name_or_path``).
     """
     saved = read_saved_config(root.config)
-    target = requested or saved or AttnScaleConfig()
+    asked = None if requested or saved else checkpoint_dual_chunk(root.config)
+    target = requested or saved or (asked[0] if asked else AttnScaleConfig())
     if get_config(root) == target and all(state_of(m) is not None for m in attention_modules(root)):
         return  # already in force: keep the live (possibly trained) parameters
     installation = _installation(root, target)
     if target == saved and installation.has_parameters:
         _fill_learned(root, installation, checkpoint, required=requested is None)
     _install(root, installation)
+    if asked is not None:
+        warnings.warn(asked[1], UserWarning, stacklevel=3)
 
 
 @dataclass
@@ -161,8 +174,8 @@ def _installation(root: nn.Module, config: AttnScaleConfig) -> _Installation:
     new = {id(module): placed for (_, _, module), (_, _, placed) in zip(rotary_slots(root), rotaries)}
     rotary = [rotary_for(root, m) if takes_position_embeddings(m) else None for m in modules]
     rotary = [None if r is None else (new.get(id(r[0]), r[0]), r[1]) for r in rotary]
-    if config.rerope_window is not None:
-        rotary = rerope_rotaries(root, modules, rotary)
+    if (method := method_of(config)) is not None:
+        rotary = parts_rotaries(root, modules, rotary, method)
     return _Installation(config, rule, modules, states, rotary, rotaries)
 
 

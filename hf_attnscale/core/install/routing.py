@@ -9,10 +9,11 @@ otherwise the class's forward runs unchanged. The core never imports the streami
 rotary embedding the patch found for each module (`rotary_of`) and the per-call hooks (`forward_with_hooks`)
 are the whole protocol.
 
-Under ReRoPE (``rerope_window``), the class's forward runs with the identity rotation in place of the model's
-cos/sin, so its attention call gets raw queries and keys (and its cache stores raw keys), with hooks that carry
-what the call needs to rotate them both ways (`hf_attnscale.core.call.rerope`). A layer that applies no RoPE
-(the patch found none for it) runs as it is.
+Under a method of key parts (ReRoPE, Self-Extend, DCA: `hf_attnscale.core.parts`), the class's forward runs with
+the identity rotation in place of the model's cos/sin, so its attention call gets raw queries and keys (and its
+cache stores raw keys), with hooks that carry what the call needs to rotate them at each part's positions
+(`hf_attnscale.core.parts.engine.PartsCall`). A layer that applies no RoPE (the patch found none for it) runs as
+it is.
 
 Why this lives in the core: the patch is the one place that sees the whole model (to find the rotary module
 that feeds each attention module) and the one transaction that installs and removes per-instance forwards
@@ -34,11 +35,12 @@ from transformers.cache_utils import StaticLayer
 from hf_attnscale.core.call.gate import gate_input
 from hf_attnscale.core.call.hooks import HOOKS_KWARG, CallHooks, ambient_hooks, using_hooks
 from hf_attnscale.core.call.memo import memoize
-from hf_attnscale.core.call.rerope import ReRoPECall, check_rerope_backend
 from hf_attnscale.core.call.rope import RotaryFrequencies, family_rope, family_rotation
 from hf_attnscale.core.call.state import state_of
 from hf_attnscale.core.install.families import Rotary
 from hf_attnscale.core.install.wrappers import wrapped
+from hf_attnscale.core.parts.declare import RAW, Method, method_of
+from hf_attnscale.core.parts.engine import PartsCall, check_parts_backend
 
 ATTENTION_STEP = "attention_step"
 CACHE_ARGUMENTS = ("past_key_values", "cache", "layer_past")
@@ -78,10 +80,11 @@ def cache_routed_forward(self: nn.Module, *args, **kwargs):
     name = next((n for n in CACHE_ARGUMENTS if hasattr(kwargs.get(n), ATTENTION_STEP)), None)
     if name is None:
         state = state_of(self)
-        if state is not None and state.config.rerope_window is not None and rotary_of(self) is not None:
+        method = None if state is None else _method(state.config)
+        if method is not None and rotary_of(self) is not None:
             if args:
                 kwargs["hidden_states"] = args[0]
-            return _rerope_forward(self, state.config, **kwargs)
+            return _parts_forward(self, method, **kwargs)
         return type(self).forward(self, *args, **kwargs)
     if args:
         kwargs["hidden_states"] = args[0]
@@ -89,29 +92,44 @@ def cache_routed_forward(self: nn.Module, *args, **kwargs):
     return getattr(cache, ATTENTION_STEP)(self, past_key_values=cache, **kwargs)
 
 
-def _rerope_forward(self: nn.Module, config: Any, position_embeddings: Any, **kwargs: Any):
-    """The class's forward under the identity rotation, its attention call given `ReRoPECall` hooks."""
-    check_rerope_backend(self.config.model_config._attn_implementation)
+@memoize()
+def _method(config: Any) -> Method | None:
+    return method_of(config)  # a config is frozen: its method, declared once
+
+
+def _parts_forward(self: nn.Module, method: Method, position_embeddings: Any, **kwargs: Any):
+    """The class's forward with the rotation of the method's store in place of the model's (the identity: raw
+    queries and keys), its attention call given the method's `PartsCall`."""
+    check_parts_backend(self.config.model_config._attn_implementation, method)
     cache = next((kwargs[name] for name in CACHE_ARGUMENTS if kwargs.get(name) is not None), None)
     layers, index = getattr(cache, "layers", ()), getattr(self, "layer_idx", None)
     if index is not None and index < len(layers) and isinstance(layers[index], StaticLayer):
         raise ValueError(
-            "rerope_window: a static cache (StaticCache, cache_implementation='static') hands attention its "
-            "whole buffer, so ReRoPE cannot tell how far each key is; decode with a DynamicCache (the default)."
+            f"{method.option}: a static cache (StaticCache, cache_implementation='static') hands attention its "
+            f"whole buffer, so {method.name} cannot tell how far each key is; decode with a DynamicCache (the "
+            "default)."
         )
     cos, sin = position_embeddings
     rotary, layer_type = rotary_of(self)
-    call = ReRoPECall(
-        window=config.rerope_window,
-        leak=config.rerope_leak,
+    frequencies = RotaryFrequencies.of(rotary, layer_type)
+    positions = kwargs.get("position_ids")
+    call = PartsCall(
+        method=method,
         rope=family_rotation(family_rope(self), cos.shape[-1]),
-        frequencies=RotaryFrequencies.of(rotary, layer_type),
+        frequencies=frequencies,
         own=(cos, sin),
+        positions=positions,
     )
-    one, zero = _identity(cos.dtype, cos.device)
-    identity = (one.expand_as(cos), zero.expand_as(sin))  # views: no operator in any layer
-    hooks = CallHooks(rerope=call)
-    return forward_with_hooks(self, hooks, called_as_module=True, position_embeddings=identity, **kwargs)
+    if method.store == RAW:
+        one, zero = _identity(cos.dtype, cos.device)
+        stored = (one.expand_as(cos), zero.expand_as(sin))  # views: no operator in any layer
+    else:  # where the method keeps its keys: cos/sin at those places of the model's positions
+        if positions is None or positions.dim() != 2:
+            past = cache.get_seq_length(index) if cache is not None and index is not None else 0
+            positions = torch.arange(past, past + cos.shape[-2], device=cos.device)[None]
+        stored = frequencies.cos_sin(method.store.value(positions), cos.dtype, method.store.slower)
+    hooks = CallHooks(parts=call)
+    return forward_with_hooks(self, hooks, called_as_module=True, position_embeddings=stored, **kwargs)
 
 
 @memoize()

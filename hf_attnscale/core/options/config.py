@@ -140,6 +140,18 @@ class AttnScaleConfig:
             row's tokens (left padding included). Costs a second set of scores.
         rerope_leak: k > 1 gives leaky ReRoPE: ``d ≥ w`` is scored at ``w + (d − w) / k`` (Su uses k = 16).
             Only with ``rerope_window``.
+        self_extend_group: Self-Extend's group size G (Jin et al. 2024, "LLM Maybe LongLM"): a pair ``i − j``
+            apart by less than ``self_extend_window`` is scored at the model's own positions, every other with the
+            query at ``⌊i/G⌋ + w − ⌊w/G⌋`` and the key at ``⌊j/G⌋``. Pick G so that ``(T − w)/G + w`` stays
+            within the trained length at T tokens. Needs ``self_extend_window``.
+        self_extend_window: Self-Extend's neighbour window w. Only with ``self_extend_group``.
+        dual_chunk_size: Dual Chunk Attention's chunk size s (An et al. 2024, ChunkLlama; Qwen2.5-1M's
+            ``dual_chunk_attention_config``): with ``c = s − l``, keys at ``j mod c``; a query in the key's chunk
+            at ``i mod c``, in the next at ``min(i mod c + c, s)``, further on at ``min(2c − 1, s)``. Needs
+            ``dual_chunk_local``. A checkpoint whose config carries ``dual_chunk_attention_config`` gets it from
+            ``hfa.patch(model)`` with no options.
+        dual_chunk_local: l, DCA's local size (``0 < l < s``). Only with ``dual_chunk_size``.
+        ReRoPE, Self-Extend and DCA are methods of key parts (`hf_attnscale.core.parts`): one at a time.
         rope_parameters: RoPE rescaling on the loaded model: transformers' own ``rope_parameters`` dict
             (``{"rope_type": "yarn", "factor": 4.0}``; dynamic, linear, llama3, longrope), in place of the model's
             (its ``rope_theta`` kept unless given); the model then equals the checkpoint loaded with them.
@@ -186,6 +198,24 @@ class AttnScaleConfig:
     rerope_leak: float | None = field(
         default=None,
         metadata=_option("leaky ReRoPE: distances >= W at W + (d - W) / K, K > 1", parse=float, metavar="K"),
+    )
+    self_extend_group: int | None = field(
+        default=None,
+        metadata=_option("Self-Extend: group distant positions by G (RoPE decoders)", parse=int, metavar="G"),
+    )
+    self_extend_window: int | None = field(
+        default=None,
+        metadata=_option(
+            "Self-Extend: neighbours nearer than W keep their positions", parse=int, metavar="W"
+        ),
+    )
+    dual_chunk_size: int | None = field(
+        default=None,
+        metadata=_option("Dual Chunk Attention: chunk size S (RoPE decoders)", parse=int, metavar="S"),
+    )
+    dual_chunk_local: int | None = field(
+        default=None,
+        metadata=_option("Dual Chunk Attention: local size L, 0 < L < S", parse=int, metavar="L"),
     )
     rope_parameters: dict[str, Any] | None = field(
         default=None,
@@ -279,6 +309,7 @@ class AttnScaleConfig:
             ):
                 raise ValueError(f"rerope_leak must be a finite float > 1 (Su uses 16), got {leak!r}.")
             object.__setattr__(self, "rerope_leak", float(leak))
+        self._check_key_parts()
         rope = self.rope_parameters
         if rope is not None and (
             not isinstance(rope, dict) or not rope or not all(isinstance(key, str) for key in rope)
@@ -292,6 +323,36 @@ class AttnScaleConfig:
                 "clipped_softmax cannot be combined with zero_kv / sink_logit: each lets a head attend to "
                 "nothing; pass one."
             )
+
+    def _check_key_parts(self) -> None:
+        """Each method of key parts complete, in range, and alone."""
+        for name, other in PAIRED.items():
+            if getattr(self, name) is not None and getattr(self, other) is None:
+                raise ValueError(f"{name} needs {other} too; pass {other}=N.")
+        if self.self_extend_group is not None:
+            group = check_int("self_extend_group", self.self_extend_group, 1)
+            window = check_int("self_extend_window", self.self_extend_window, 1)
+            object.__setattr__(self, "self_extend_group", group)
+            object.__setattr__(self, "self_extend_window", window)
+        if self.dual_chunk_size is not None:
+            size = check_int("dual_chunk_size", self.dual_chunk_size, 2)
+            local = check_int("dual_chunk_local", self.dual_chunk_local, 1)
+            if local >= size:
+                raise ValueError(f"dual_chunk_local must be below dual_chunk_size ({size}), got {local}.")
+            object.__setattr__(self, "dual_chunk_size", size)
+            object.__setattr__(self, "dual_chunk_local", local)
+        given = [name for name in KEY_PART_METHODS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(
+                f"{' and '.join(given)} contradict each other: each is a method of scoring every pair (ReRoPE, "
+                "Self-Extend, Dual Chunk Attention); pass one."
+            )
+
+    @property
+    def key_parts(self) -> str | None:
+        """The option of the method of key parts in force (``rerope_window``, ``self_extend_group``,
+        ``dual_chunk_size``), or None."""
+        return next((name for name in KEY_PART_METHODS if getattr(self, name) is not None), None)
 
     @property
     def has_exit(self) -> bool:
@@ -313,7 +374,7 @@ class AttnScaleConfig:
             and not self.has_exit
             and self.clipped_softmax is None
             and self.gate is None
-            and self.rerope_window is None
+            and self.key_parts is None
             and self.rope_parameters is None
         )
 
@@ -347,6 +408,16 @@ class AttnScaleConfig:
         return cls(**known)
 
 
+KEY_PART_METHODS = ("rerope_window", "self_extend_group", "dual_chunk_size")
+"""The options that name a method of key parts (`hf_attnscale.core.parts.declare`); one at a time."""
+PAIRED = {
+    "self_extend_group": "self_extend_window",
+    "self_extend_window": "self_extend_group",
+    "dual_chunk_size": "dual_chunk_local",
+    "dual_chunk_local": "dual_chunk_size",
+}
+"""The methods' options that need each other."""
+
 OPTIONS: dict[str, Field] = {f.name: f for f in fields(AttnScaleConfig) if f.name != "version"}
 """The patch's options (`AttnScaleConfig`'s fields, with their help and text reading in ``metadata``), as
 `hfa.patch`, the CLI and the lm-eval model type name them."""
@@ -379,3 +450,28 @@ def read_saved_config(model_config: Any) -> AttnScaleConfig | None:
     if data is None and isinstance(getattr(model_config, LEGACY_CONFIG_KEY, None), dict):
         data = getattr(model_config, LEGACY_CONFIG_KEY)
     return None if data is None else AttnScaleConfig.from_dict(dict(data))
+
+
+DUAL_CHUNK_KEY = "dual_chunk_attention_config"
+"""Where a checkpoint's config asks for Dual Chunk Attention (Qwen2.5-7B/14B-Instruct-1M), which transformers
+ignores: ``chunk_size``, ``local_size``, ``original_max_position_embeddings`` and MInference's sparse keys."""
+DUAL_CHUNK_USED = ("chunk_size", "local_size")
+
+
+def checkpoint_dual_chunk(model_config: Any) -> tuple[AttnScaleConfig, str] | None:
+    """The DCA a checkpoint's config asks for (its ``dual_chunk_attention_config``), and the one-line note that
+    says so, naming the keys not implemented; None where it asks for none."""
+    asked = getattr(model_config, DUAL_CHUNK_KEY, None)
+    if asked is None and hasattr(model_config, "get_text_config"):
+        asked = getattr(model_config.get_text_config(), DUAL_CHUNK_KEY, None)
+    if not isinstance(asked, dict) or not all(key in asked for key in DUAL_CHUNK_USED):
+        return None
+    config = AttnScaleConfig(dual_chunk_size=asked["chunk_size"], dual_chunk_local=asked["local_size"])
+    unused = sorted(key for key in asked if key not in DUAL_CHUNK_USED)
+    note = (
+        f"hf_attnscale: this checkpoint's {DUAL_CHUNK_KEY} asks for Dual Chunk Attention: patched with "
+        f"dual_chunk_size={config.dual_chunk_size}, dual_chunk_local={config.dual_chunk_local}"
+        + (f"; not implemented, so not applied: {', '.join(unused)}" if unused else "")
+        + " (explicit options replace it)."
+    )
+    return config, note

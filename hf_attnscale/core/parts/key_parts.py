@@ -1,4 +1,5 @@
-"""One softmax over keys that come in parts, each part scored by its own queries (ReRoPE's near and far keys).
+"""One softmax over keys that come in parts, each part scored by its own queries (a method's parts,
+`hf_attnscale.core.parts.declare`).
 
 A `KeyPart` is queries, keys, values and which keys each query sees. Row i's scores are ``q_p[i] · k_p[j]`` for
 every visible key j of every part p, and one softmax (with the exit, where there is one) runs over all of them.
@@ -24,7 +25,7 @@ gets a finite output that no real token reads, under either formulation.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -32,14 +33,10 @@ import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from hf_attnscale.core.call import cpu_flash, first_use
+from hf_attnscale.core.call.hooks import ChunkFn, Execution
 from hf_attnscale.core.call.masks import additive_mask, softmax_scale
 
 ENV_SWITCH = "HF_ATTNSCALE_FUSED_PARTS"
-
-ChunkFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]
-]
-"""The backend's call on one chunk: ``(q, k, v, additive mask) -> ((B, c, H, Dv) output, weights or None)``."""
 
 
 class KeyPart(NamedTuple):
@@ -50,10 +47,6 @@ class KeyPart(NamedTuple):
     key: torch.Tensor
     value: torch.Tensor
     visible: torch.Tensor | None
-
-
-PartsFn = Callable[[Sequence[KeyPart]], torch.Tensor]
-"""Attention over key parts: ``parts -> (B, c, H, Dv)``."""
 
 
 def joined(parts: Sequence[KeyPart]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -92,36 +85,36 @@ def public_parts(attend: ChunkFn, parts: Sequence[KeyPart]) -> torch.Tensor:
     return out[..., : parts[0].value.shape[-1]]
 
 
-def attention(
-    attend: ChunkFn,
-    parts: Sequence[KeyPart],
-    exit_logits: torch.Tensor | None,
-    scaling: float | None,
-    *,
-    fusable: bool,
-) -> torch.Tensor:
-    """One softmax over ``parts`` (with the exit of per-head logits ``exit_logits``, if any), ``(B, c, H, Dv)``:
-    fused where ``fusable`` (the backend is sdpa, with nothing the kernel lacks: no dropout, soft-cap, position
-    bias or clipped softmax), there are parts to merge, their tensors are float32, bfloat16 or float16 with one
-    head dim and 4D masks, and the combination has passed its check; else through ``attend``, the backend's own
-    call with the exit (one part: at the model's width, as a decoding step's keys are)."""
-    combination = _combination(parts, exit_logits) if fusable and len(parts) > 1 else None
+def attention(run: Execution, parts: Sequence[KeyPart]) -> torch.Tensor:
+    """One softmax over ``parts`` (with ``run``'s exit, if any), ``(B, c, H, Dv)``: fused where ``run.fusable``
+    (the backend is sdpa, with nothing the kernel lacks: no dropout, soft-cap, position bias or clipped softmax),
+    there are parts to merge, their tensors are float32, bfloat16 or float16 with one head dim and 4D masks, and
+    the combination has passed its check; else through ``run.chunk``, the backend's own call with the exit (one
+    part: at the model's width, as a decoding step's keys are)."""
+    exit_logits, scaling = run.exit_logits, run.scaling
+    combination = _combination(parts, exit_logits) if run.fusable and len(parts) > 1 else None
     if combination is None or not CHECK.passes(combination, lambda: _check(combination, scaling)):
-        return public_parts(attend, parts)
+        return public_parts(run.chunk, parts)
     return fused_parts(parts, exit_logits, scaling)
 
 
 class Combination(NamedTuple):
-    """What the first-use check covers: one verdict per combination."""
+    """What a key-parts path's first-use check covers (the CPU's fused parts here, CUDA's flex in
+    `hf_attnscale.core.parts.flex_parts`): one verdict per combination."""
 
     dtype: str
     head_dim: int
     heads: int
     kv_heads: int
-    masks: tuple[tuple[bool, bool] | None, ...]
-    """Per part: None (no mask), or whether its mask differs by row of the batch, by head."""
+    masks: tuple
+    """Per part: None (no mask), or whether its mask differs by row of the batch, by head (flex: one entry where
+    the model passes a mask)."""
     exit: bool
     batched: bool
+    """Several rows (flex: rows at offsets of their own)."""
+    layout: tuple = ()
+    """flex: the method's parts as the check samples them, ``(lo, hi, unit)`` each (`flex_parts.layout`)."""
+    scaling: float | None = None
 
 
 SERVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -245,22 +238,41 @@ def _check(combination: Combination, scaling: float | None) -> str | None:
     """The fused path against `plain_parts` in float64, forward and backward, on a sharp input as large as the
     kernel's blocks (more than 512 keys, more than 64 queries), with rows that see no key of a part and, with
     the exit, a row that sees the exit only; None if they agree, else why not."""
-    try:
-        parts, exit_logits = _sample(combination)
+    parts, exit_logits = _sample(combination)
+    fused = lambda: fused_parts(parts, exit_logits, scaling)  # noqa: E731
+    return against_definition(
+        fused, parts, exit_logits, scaling, tolerance=first_use.tolerance(parts[0].query.dtype)
+    )
+
+
+def against_definition(
+    run,
+    parts: Sequence[KeyPart],
+    exit_logits: torch.Tensor | None,
+    scaling: float | None,
+    *,
+    tolerance: float,
+) -> str | None:
+    """A fast path's check: ``run()`` (its output over ``parts``, whose q, k, v take gradients, as the exit's
+    logits do) against `plain_parts` in float64, forward and backward; None if they agree, else why not (any
+    error of the kernel or the compiler included)."""
+
+    def compared() -> str | None:
         leaves = [t for part in parts for t in part[:3]] + ([exit_logits] if exit_logits is not None else [])
-        fused = fused_parts(parts, exit_logits, scaling)
-        cotangent = torch.randn(fused.shape, generator=torch.Generator().manual_seed(1)).to(fused.dtype)
-        fused_grads = torch.autograd.grad(fused, leaves, cotangent)
+        got = run()
+        if got is None:
+            return "torch.compile's recompile limit was reached"
+        cotangent = torch.randn(got.shape, generator=torch.Generator().manual_seed(1)).to(got)
+        got_grads = torch.autograd.grad(got, leaves, cotangent)
         doubles = [KeyPart(*(t.double() for t in part[:3]), part.visible) for part in parts]
         plain = plain_parts(doubles, None if exit_logits is None else exit_logits.double(), scaling)
         plain_grads = torch.autograd.grad(plain, leaves, cotangent.double())
-    except Exception as error:  # any failure of the kernel means: do not use it
-        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-    tolerance = 1e-5 if fused.dtype == torch.float32 else 3e-2
-    names = ("output", *(f"{g}{i}" for i in range(len(parts)) for g in ("dq", "dk", "dv")), "dexit")
-    return first_use.compare(
-        (fused, *fused_grads), (plain, *plain_grads), names[: 1 + len(leaves)], tolerance
-    )
+        names = ("output", *(f"{g}{i}" for i in range(len(parts)) for g in ("dq", "dk", "dv")), "dexit")
+        return first_use.compare(
+            (got, *got_grads), (plain, *plain_grads), names[: 1 + len(leaves)], tolerance
+        )
+
+    return first_use.reason(compared)
 
 
 def _sample(combination: Combination) -> tuple[list[KeyPart], torch.Tensor | None]:

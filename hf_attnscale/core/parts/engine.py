@@ -1,0 +1,437 @@
+"""The engine: one attention call of a method declared in parts (`hf_attnscale.core.parts.declare`).
+
+The patched module's forward rotates its queries and keys at the method's store in place of the model's
+positions (`hf_attnscale.core.install.routing`; ReRoPE's store is RAW: the identity), so the model's cache keeps
+each key there. Each part turns them from there to its own positions and scores the pairs it covers; one softmax
+runs over every part (with the exit, where there is one):
+
+* several queries (a prefill, or a chunk onto the cache): on CUDA under sdpa, with nothing flex lacks, each part
+  is one compiled flex call over the whole sequence (`hf_attnscale.core.parts.flex_parts`); else the queries go in
+  chunks, each chunk's parts one call of `hf_attnscale.core.parts.key_parts` (the CPU's fused kernel per part, or
+  the parts joined on side-by-side channels, one backend call). A chunk of queries only reads the keys its parts
+  can reach, so no T × T tensor is held.
+* one query (a decoding step): one backend call at the model's width, on the keys in their order, each turned
+  relative to the query. Where every part depends on the distance alone (ReRoPE, leaky ReRoPE), the query is
+  turned to the largest lower bound of a part (the window) and each key by its distance from there, from tables
+  kept across layers and steps (`RotaryFrequencies.at_distances`), the keys a part holds fixed not at all; else
+  the query is turned to where the unbounded part places it, and only the keys of the other parts turn (those
+  of the unbounded part sit where the store keeps them).
+
+Positions: a method whose scores depend on the distance alone counts it in the cache, so a row's distances are
+those of its tokens whenever its positions run on by one (`check_positions`). Others place queries and keys at
+the model's positions: a row's offset from the cache (its left padding) is read off ``position_ids``, which must
+then hold one offset for every real token of the row.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from hf_attnscale.core.call.backends import check_backend
+from hf_attnscale.core.call.hooks import Execution
+from hf_attnscale.core.call.masks import visible_entries
+from hf_attnscale.core.call.rope import CosSin, RotaryFrequencies, RotateFn
+from hf_attnscale.core.parts import flex_parts, key_parts
+from hf_attnscale.core.parts.declare import MOVING, RAW, At, Method, Part
+from hf_attnscale.core.parts.flex_parts import Band
+from hf_attnscale.core.parts.key_parts import KeyPart
+
+BACKENDS = ("eager", "sdpa")
+"""The backends the engine runs on: it shows each key its part by a dense mask."""
+MASK_CHUNK = 2**24
+"""Mask entries per chunk call (queries × keys): 64 MiB of a float32 mask, 1,024 queries at 16k keys."""
+
+
+def check_parts_backend(backend: str | None, method: Method) -> None:
+    """Refuse, in one line, a backend the engine cannot run on (checked when patching and at every call, as
+    ``set_attn_implementation`` may switch it in between)."""
+    check_backend(
+        backend, BACKENDS, f"{method.option}: {method.name} (it shows each key its part by a dense mask)"
+    )
+
+
+@dataclass(frozen=True)
+class PartsCall:
+    """One attention call of ``method``, carried by its hooks (`hf_attnscale.core.call.hooks`).
+
+    Attributes:
+        method: the declaration.
+        rope: the family's rotation ``(x, cos, sin)`` over its rotary dims.
+        frequencies: the rotary module's, as of this call.
+        own: the model's own cos/sin for the call's new tokens.
+        positions: the model's ``position_ids`` of the call's new tokens, where its layer passes them.
+    """
+
+    method: Method
+    rope: RotateFn
+    frequencies: RotaryFrequencies
+    own: CosSin
+    positions: torch.Tensor | None = None
+
+    def __call__(
+        self,
+        run: Execution,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | None,
+        *,
+        sliding_window: int | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The method over raw ``query`` ``(B, H, Tq, D)`` and ``key`` / ``value`` ``(B, Hkv, Tk, D)``, causal, the
+        queries being the last ``Tq`` keys; ``mask`` None (causal, ``sliding_window`` keys at most) or 4D, bool or
+        additive; ``position_ids`` the attention call's, where the layer's were not given. ``(B, Tq, H, Dv)``."""
+        position_ids = self.positions if self.positions is not None else position_ids
+        if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[-1] != query.shape[2]):
+            position_ids = None  # multimodal RoPE's (3, B, T) sections: not a model the engine serves
+        if query.shape[2] == 1:
+            return self._decode(run, query, key, value, mask, sliding_window, position_ids)
+        past = key.shape[2] - query.shape[2]
+        check_positions(self.method, position_ids, mask, past)
+        return self._prefill(run, query, key, value, mask, sliding_window, position_ids)
+
+    def _prefill(self, run, query, key, value, mask, sliding_window, position_ids) -> torch.Tensor:
+        method, device = self.method, query.device
+        q_len, k_len = query.shape[2], key.shape[2]
+        past = k_len - q_len
+        shift = None if method.by_distance else _shift(position_ids, past)
+        flex = run.fusable and flex_parts.serves(
+            query, key, value, run.exit_logits, mask is not None, run.scaling, method, shift is not None
+        )
+        # the first key of each part that any query reaches (the flex bands take them all)
+        lowest = [
+            0 if flex or part.hi is None else max(0, past - part.hi * part.unit + 1) for part in method.parts
+        ]
+        turned = _Turned(self, query, key, past, shift)
+        queries = [turned.queries(part.query) for part in method.parts]
+        keys = [
+            turned.keys(
+                part.key, min(low for low, other in zip(lowest, method.parts) if other.key == part.key)
+            )
+            for part in method.parts
+        ]
+        if flex:
+            reach = min(sliding_window or k_len, k_len)  # every distance seen is below it
+            bands = [
+                Band(q, k, value, part)
+                for part, q, (k, _) in zip(method.parts, queries, keys)
+                if part.unit > 1 or part.lo < reach
+            ]
+            visible = None
+            if mask is not None:
+                visible = visible_entries(mask[..., :k_len]).expand(*mask.shape[:2], q_len, k_len)
+            out = flex_parts.attention(bands, visible, run.exit_logits, run.scaling, reach, shift)
+            if out is not None:
+                return out  # else flex cannot take it: the chunks below
+        # Queries per chunk: at most a span's (where the parts meet) and a mask of at most MASK_CHUNK entries.
+        span = method.span
+        rows = max(1, min(span, MASK_CHUNK // (k_len + span)))
+        reach = sliding_window or k_len
+        outs = []
+        for start in range(0, q_len, rows):
+            stop = min(q_len, start + rows)
+            first, last = past + start, past + stop - 1  # the chunk's queries' places in the cache
+            at = torch.arange(first, last + 1, device=device)[:, None]
+            visible = _visible(mask, start, stop, k_len, at, sliding_window, device)
+            q_pos = at if shift is None else at - shift[:, None, None, None]
+            parts = []
+            for part, q, (k, base) in zip(method.parts, queries, keys):
+                begin, end = _reached(part, first, last)
+                begin = max(begin, first - reach + 1, base)
+                if end <= begin:
+                    continue
+                k_at = torch.arange(begin, end, device=device)
+                k_pos = k_at if shift is None else k_at - shift[:, None, None, None]
+                shown = visible[..., begin:end] & part.covers(q_pos, k_pos)
+                parts.append(
+                    KeyPart(
+                        q[:, :, start:stop], k[:, :, begin - base : end - base], value[:, :, begin:end], shown
+                    )
+                )
+            outs.append(key_parts.attention(run, parts))
+        return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0].contiguous()
+
+    def _decode(self, run, query, key, value, mask, sliding_window, position_ids) -> torch.Tensor:
+        """One query at the cache's last place i, one call at the model's width, on the keys in their order."""
+        k_len, device = key.shape[2], query.device
+        i = k_len - 1
+        if self.method.by_distance:
+            query, keys = self._turn_by_distance(query, key)
+        else:
+            query, keys = self._turn_from_store(query, key, position_ids)
+        shown = None  # no mask where the model passed none: the backend takes grouped heads as they are
+        if mask is not None or sliding_window:
+            at_i = torch.arange(i, k_len, device=device)[:, None]
+            shown = _visible(mask, 0, 1, k_len, at_i, sliding_window, device)
+        return key_parts.attention(run, [KeyPart(query, keys, value, shown)])
+
+    def _turn_by_distance(self, query, key) -> tuple[torch.Tensor, torch.Tensor]:
+        """A method of distances alone: the query turned to r (the largest lower bound of a part, so that a part
+        of fixed positions meeting there keeps its keys as stored), each key by ``k(j) − q(i) + r`` (the same
+        scores: ``(R(r) q) · (R(k(j) − q(i) + r) k) = (R(q(i)) q) · (R(k(j)) k)``), from kept tables. YaRN's
+        attention scaling s rides on cos/sin, so every score carries s²: where a part's keys stay as stored,
+        the query takes their s, and the turned keys give theirs back."""
+        parts, frequencies, dtype, device = self.method.parts, self.frequencies, query.dtype, query.device
+        k_len = key.shape[2]
+        i = k_len - 1
+        r = max(part.lo for part in parts)
+        query = self.rope(query, *_rows(frequencies.at_distances(r + 1, dtype, device), r, r + 1))
+        segments, as_stored, turned = [], False, []
+        for part in sorted(parts, key=lambda part: -part.lo):  # the farthest keys first: the cache's order
+            begin = 0 if part.hi is None else max(0, i - part.hi + 1)
+            end = min(k_len, max(begin, i - part.lo + 1))
+            if end <= begin:
+                continue
+            if part.query.fixed is not None:
+                turn = part.key.fixed - part.query.fixed + r  # the same for every key
+                if turn == 0:
+                    segments.append(key[:, :, begin:end])
+                    as_stored = True
+                    continue
+                first, last, slower = turn, turn, 1.0  # one cos/sin for every key
+            else:
+                slower = part.key.slower
+                offset = part.key.shift - part.query.shift + r * slower  # in the slower RoPE's positions
+                first, last = begin - i + offset, end - 1 - i + offset
+            cos_sin = _distance_rows(frequencies, first, last, slower, dtype, device)
+            segment = self.rope(key[:, :, begin:end], *cos_sin)
+            segments.append(segment)
+            turned.append(len(segments) - 1)
+        if as_stored and (scaling := frequencies.scaling) != 1.0:
+            query = query * scaling
+            for index in turned:
+                segments[index] = segments[index] / scaling
+        return query, torch.cat(segments, dim=2) if len(segments) > 1 else segments[0]
+
+    def _turn_from_store(self, query, key, position_ids) -> tuple[torch.Tensor, torch.Tensor]:
+        """Any method: the query turned from where it comes (the method's store) to where the unbounded part
+        (the anchor) places it, each key by ``k(j) − store(j) − (q(i) − anchor(i))`` for its part (the same
+        scores: every pair's angle is ``k(j) − q(i)``), which is 0 for the anchor's keys where they sit where
+        they are stored: then only the keys of the other parts turn, all within their reach of the query. Turns
+        of what is stored rotated are pure rotations; raw keys (a store of RAW) all turn, with the attention
+        scaling."""
+        method, frequencies, dtype, device = self.method, self.frequencies, query.dtype, query.device
+        store, k_len = method.store, key.shape[2]
+        raw = store == RAW
+        anchor = next((part for part in method.parts if part.hi is None), method.parts[0])
+        start = 0
+        if not raw and anchor.hi is None and anchor.key == store:
+            reaches = [part.hi * part.unit for part in method.parts if part is not anchor]
+            reach = max(reaches) if reaches else 0  # (no `default=`: torch.compile takes max without it)
+            start = max(0, k_len - reach)
+        shift = _shift(position_ids, k_len - 1)
+        i = torch.full((1, 1), k_len - 1, device=device) if shift is None else (k_len - 1 - shift)[:, None]
+        j = torch.arange(start, k_len, device=device)[None]
+        if shift is not None:
+            j = j - shift[:, None]
+        if raw or anchor.query != store:
+            turn = anchor.query.angle(i) - store.angle(i)
+            query = self.rope(query, *frequencies.cos_sin(turn, dtype, scaled=raw))
+        cos = sin = None
+        for part in method.parts:
+            if part is anchor and not raw and part.key == store:
+                continue  # as stored
+            towards = part.query.angle(i) - anchor.query.angle(i)  # (B|1, 1)
+            if part.key == store and not raw:
+                angle = -towards  # the same for every key of the part
+            else:
+                angle = part.key.angle(j) - store.angle(j) - towards
+            turned = frequencies.cos_sin(angle, dtype, scaled=raw)
+            covered = part.covers(i, j)[..., None]
+            cos = torch.where(covered, turned[0], 1.0 if cos is None else cos)
+            sin = torch.where(covered, turned[1], 0.0 if sin is None else sin)
+        if cos is None:
+            return query, key
+        near = self.rope(key[:, :, start:], cos, sin)
+        return query, near if start == 0 else torch.cat([key[:, :, :start], near], dim=2)
+
+
+class _Turned:
+    """A call's queries and keys rotated at each `At` its parts name, each once."""
+
+    def __init__(self, call: PartsCall, query: torch.Tensor, key: torch.Tensor, past: int, shift) -> None:
+        self.call, self.query, self.key, self.past, self.shift = call, query, key, past, shift
+        self.done: dict = {}
+
+    def queries(self, at: At) -> torch.Tensor:
+        if ("q", at) not in self.done:
+            self.done["q", at] = self._turned(self.query, at, self.past, self.key.shape[2])
+        return self.done["q", at]
+
+    def keys(self, at: At, lowest: int) -> tuple[torch.Tensor, int]:
+        """The keys from ``lowest`` on, rotated at ``at`` (as stored where they sit there), and ``lowest``."""
+        if ("k", at) not in self.done:
+            call, store = self.call, self.call.method.store
+            if at == store and (store != RAW or call.frequencies.scaling == 1.0):
+                self.done["k", at] = (self.key[:, :, lowest:], lowest)
+            else:
+                self.done["k", at] = (
+                    self._turned(self.key[:, :, lowest:], at, lowest, self.key.shape[2]),
+                    lowest,
+                )
+        return self.done["k", at]
+
+    def _turned(self, x: torch.Tensor, at: At, begin: int, end: int) -> torch.Tensor:
+        """``x``, the cache's places ``begin .. end - 1`` as they come (at the method's store), turned to ``at``:
+        from raw, rotated there with the attention scaling; from a store, by a pure rotation of the difference."""
+        store = self.call.method.store
+        if store == RAW:
+            return self.call.rope(x, *self._cos_sin(at, begin, end))
+        if at == store:
+            return x
+        places = self._places(begin, end)
+        turn = at.angle(places) - store.angle(places)
+        return self.call.rope(x, *self.call.frequencies.cos_sin(turn, x.dtype, scaled=False))
+
+    def _places(self, begin: int, end: int) -> torch.Tensor:
+        """The model's positions of the cache's places ``begin .. end - 1``, ``(B|1, n)``."""
+        places = torch.arange(begin, end, device=self.query.device)[None]
+        return places if self.shift is None else places - self.shift[:, None]
+
+    def _cos_sin(self, at: At, begin: int, end: int) -> CosSin:
+        """cos/sin at ``at`` of the cache's places ``begin .. end - 1``."""
+        frequencies, dtype, device = self.call.frequencies, self.query.dtype, self.query.device
+        if at.fixed is not None and float(at.fixed).is_integer() and at.fixed >= 0:
+            return _rows(
+                frequencies.at_distances(int(at.fixed) + 1, dtype, device), int(at.fixed), int(at.fixed) + 1
+            )
+        if at == MOVING and self.past == 0 and begin == 0:
+            return self.call.own  # the model's own, at its positions (every place here is a new token)
+        return frequencies.cos_sin(at.value(self._places(begin, end)), dtype, at.slower)
+
+
+def _reached(part: Part, first: int, last: int) -> tuple[int, int]:
+    """The places ``[begin, end)`` of the keys that queries at places ``first .. last`` may meet in ``part``,
+    whatever the row's offset: ``⌊x/u⌋·u`` lies in ``(x − u, x]``."""
+    unit = part.unit
+    begin = 0 if part.hi is None else max(0, first - part.hi * unit + 1)
+    end = min(last + 1, last - part.lo * unit + unit) if part.lo else last + 1
+    return begin, end
+
+
+def _shift(position_ids: torch.Tensor | None, past: int) -> torch.Tensor | None:
+    """Each row's offset of the cache's places from the model's positions ``(B,)`` (its left padding), read at
+    its highest position (a real token, whichever side the padding is on); None without positions."""
+    if position_ids is None:
+        return None
+    highest, index = position_ids.max(dim=-1)
+    return past + index - highest
+
+
+def _rows(table: CosSin, start: int, stop: int) -> CosSin:
+    """The cos/sin at distances ``start .. stop-1`` of a table from 0 (`RotaryFrequencies.at_distances`)."""
+    return table[0][:, start:stop], table[1][:, start:stop]
+
+
+def _distance_rows(frequencies, first, last, slower, dtype, device) -> CosSin:
+    """cos/sin at the distances ``first, first + 1, .. last`` (the slower RoPE's), from a kept table where they
+    are whole numbers on one side of 0, else computed."""
+    if float(first).is_integer() and first >= 0:
+        return _rows(
+            frequencies.at_distances(int(last) + 1, dtype, device, slower), int(first), int(last) + 1
+        )
+    if float(first).is_integer() and last <= 0:
+        length = int(-first) + 1
+        table = frequencies.at_distances(length, dtype, device, slower, before=True)
+        return _rows(table, 0, int(last - first) + 1)
+    steps = first + torch.arange(round(last - first) + 1, device=device, dtype=torch.float64)[None]
+    return frequencies.cos_sin(steps, dtype, slower)
+
+
+def _visible(mask, start, stop, k_len, q_pos, sliding_window, device) -> torch.Tensor:
+    """Which keys the chunk's queries see before the method, bool ``(B|1, 1|H, c, Tk)``."""
+    if mask is not None:
+        rows = mask[..., start:stop, :k_len] if mask.shape[-2] > 1 else mask[..., :k_len]
+        return visible_entries(rows)
+    keys = torch.arange(k_len, device=device)
+    visible = keys <= q_pos
+    if sliding_window:
+        visible = visible & (q_pos - keys < sliding_window)
+    return visible[None, None]
+
+
+def check_positions(
+    method: Method, position_ids: torch.Tensor | None, mask: torch.Tensor | None, past: int
+) -> None:
+    """Raise ValueError, in one line, where a call's ``position_ids`` ``(B|1, Tq)`` (the model's, for its queries,
+    the cache's last ``Tq`` keys after ``past``) do not run on by one over the queries each of them sees: a method
+    of distances counts them in the cache, and would score such a pair at another distance than the model's;
+    a method of positions takes each row's offset at its highest position, so every real query of a row must
+    share it (packed sequences are refused). Keys that ``mask`` hides do not count, nor do padding queries (they
+    do not see themselves). Checked once per ``position_ids`` and ``mask`` (a forward's layers share them),
+    with one wait on the device; not under torch.compile, nor for the keys before the call."""
+    if (
+        position_ids is None
+        or position_ids.dim() != 2
+        or position_ids.shape[-1] < 2
+        or torch.compiler.is_compiling()
+        or _CHECKED.seen(position_ids, mask)
+    ):
+        return
+    q_len = position_ids.shape[-1]
+    # a position less its index: the same along what a query sees, where the positions run on by one
+    offsets = position_ids - torch.arange(q_len, device=position_ids.device)
+    if mask is None:  # causal: each query sees every query before it
+        wrong = (offsets != offsets[:, :1]).any()
+    else:
+        wrong = torch.zeros((), dtype=torch.bool, device=position_ids.device)
+        rows_of = max(mask.shape[0], position_ids.shape[0]) * mask.shape[1]  # (batch, head) rows of the mask
+        rows = max(1, MASK_CHUNK // (q_len * rows_of))
+        own = mask[
+            ..., past : past + q_len
+        ]  # the call's own keys only: those before it have no positions here
+        for start in range(0, q_len, rows):
+            stop = min(q_len, start + rows)
+            seen = _visible(own, start, stop, q_len, None, None, mask.device)
+            seen = seen.expand(*seen.shape[:-2], stop - start, q_len)
+            row = torch.arange(stop - start, device=seen.device)
+            itself = seen[
+                ..., row, row + start, None
+            ]  # a padding query does not see itself: it does not count
+            apart = offsets[:, None, start:stop, None] != offsets[:, None, None, :]
+            wrong = wrong | (seen & itself & apart).any()
+            if not method.by_distance:  # one offset for every real query of a row
+                highest = offsets.gather(-1, position_ids.argmax(-1, keepdim=True))
+                elsewhere = offsets[:, None, start:stop] != highest[:, None]
+                wrong = wrong | (itself[..., 0] & elsewhere).any()
+    if wrong.item():
+        raise ValueError(
+            f"{method.option}: position_ids jump or restart within what a query sees ({method.name} counts "
+            "positions in the cache, so it would score other positions than the model's); pass positions that "
+            "run on by one, as generate() and the model's defaults do"
+            + (
+                ", or pack sequences with no attention mask and no cache (use_cache=False), which transformers "
+                "masks apart."
+                if method.by_distance
+                else "; packed sequences are not served (each row must be one sequence)."
+            )
+        )
+    _CHECKED.remember(position_ids, mask)
+
+
+class _Checked:
+    """The last few ``position_ids`` and masks found right, held weakly, so that a forward's layers check them
+    once; replaced as one tuple, so that threads only ever check again."""
+
+    KEPT = 4
+
+    def __init__(self) -> None:
+        self._pairs: tuple[tuple[weakref.ref, weakref.ref | None], ...] = ()
+
+    def seen(self, position_ids: torch.Tensor, mask: torch.Tensor | None) -> bool:
+        return any(
+            positions() is position_ids
+            and (masked is None if mask is None else masked is not None and masked() is mask)
+            for positions, masked in self._pairs
+        )
+
+    def remember(self, position_ids: torch.Tensor, mask: torch.Tensor | None) -> None:
+        pair = (weakref.ref(position_ids), None if mask is None else weakref.ref(mask))
+        self._pairs = (pair, *self._pairs[: self.KEPT - 1])
+
+
+_CHECKED = _Checked()

@@ -1,0 +1,326 @@
+"""Self-Extend and Dual Chunk Attention, run by the key parts' engine (`hf_attnscale.core.parts`), against the
+plain per-pair reference in tests/reference.py (`method_logits`: each pair's score from q and k rotated at the
+positions the paper gives that pair, pair by pair); and the declarations themselves. ReRoPE, the engine's first
+method, has tests/core/test_rerope.py."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import transformers
+from conftest import (
+    ATTNS,
+    DECODERS,
+    FORWARD_ATTNS,
+    GREEDY,
+    OWN_FAMILIES,
+    ROPE_TYPES,
+    SHARP_VOCAB,
+    assert_gradients_match,
+    assert_logits_match,
+    assert_unchanged,
+    patched_beside_reference,
+    sharp_inputs,
+    sharp_model,
+    stream_logits,
+    tiny_model,
+)
+from model_zoo import EAGER_ONLY, LOGIT_TOLERANCE, family_types, head_of, reference_of, zoo_model
+from reference import method_positions
+
+import hf_attnscale as hfa
+from hf_attnscale.core.parts.declare import dual_chunk, rerope, self_extend
+
+SE = {"self_extend_group": 2, "self_extend_window": 4}
+DCA = {"dual_chunk_size": 6, "dual_chunk_local": 2}  # chunks of 4: the 16 tokens reach 3 chunks back
+METHODS = {"self_extend": SE, "dca": DCA}
+OPTIONS = {  # the methods with the other options on top
+    "self_extend+logn": {**SE, "scale": "logn", "train_length": 2},
+    "dca+logn+zero_kv": {**DCA, "scale": "logn", "train_length": 2, "zero_kv": True},
+    "dca+sink_fixed": {**DCA, "sink_logit": 1.5},
+    "self_extend+clipped": {**SE, "clipped_softmax": (-0.03, 1.02)},
+    "dca+ssmax+gate": {**DCA, "scale": "ssmax", "train_length": 2, "gate": "head"},
+}
+DECLARED = {
+    "rerope": rerope(4),
+    "leaky": rerope(4, 3.0),
+    "self_extend": self_extend(2, 4),
+    "self_extend, G > w": self_extend(5, 3),
+    "dca": dual_chunk(6, 2),
+    "dca, l > c": dual_chunk(7, 4),  # min(2c − 1, s) = s
+}
+
+
+@pytest.mark.parametrize("name", list(DECLARED))
+def test_each_declaration_covers_every_causal_pair_once(name):
+    i, j = torch.arange(40)[:, None], torch.arange(40)[None]
+    covered = sum(part.covers(i, j).long() for part in DECLARED[name].parts)
+    assert torch.equal(covered, (j <= i).long())
+
+
+@pytest.mark.parametrize("name", ["self_extend", "self_extend, G > w", "dca", "dca, l > c"])
+def test_the_declarations_place_each_pair_as_the_paper_does(name):
+    """Each part's positions for the pairs it covers, against the papers' definitions (tests/reference.py)."""
+    method = DECLARED[name]
+    args = {"self_extend": (2, 4), "self_extend, G > w": (5, 3), "dca": (6, 2), "dca, l > c": (7, 4)}[name]
+    i, j = torch.arange(40)[:, None], torch.arange(40)[None]
+    kind = "self_extend" if name.startswith("self_extend") else "dual_chunk"
+    want_q, want_k = method_positions((kind, *args), i.double(), j.double())
+    for part in method.parts:
+        covers = part.covers(i, j)
+        got_q, got_k = part.query.angle(i).expand(40, 40), part.key.angle(j).expand(40, 40)
+        assert torch.equal(got_q[covers], want_q[covers]) and torch.equal(got_k[covers], want_k[covers])
+
+
+def _generate_positions(mask: torch.Tensor) -> torch.Tensor:
+    """generate()'s positions for a left-padded batch: each row's tokens from 0, a pad's 1."""
+    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("model_type", [t for t in family_types() if head_of(t) == "causal"])
+def test_every_decoder_is_served_exactly_or_refused_in_one_line(model_type, method):
+    """Each decoder type the package supports: the method equals the reference, or the patch refuses it in one
+    line that starts with the method's option, the model unchanged (as ReRoPE, tests/core/test_rerope.py)."""
+    attn = "eager" if model_type in EAGER_ONLY else "sdpa"
+    model = zoo_model(model_type, attn)
+    before = copy.deepcopy(model)
+    try:
+        hfa.patch(model, **METHODS[method])
+    except ValueError as error:
+        assert str(error).startswith(next(iter(METHODS[method]))) and "\n" not in str(error), error
+        assert_unchanged(model, before)
+        return
+    reference = reference_of(before, attn, **METHODS[method])
+    inputs = sharp_inputs(vocab=min(model.config.get_text_config().vocab_size, 100))
+    rows = inputs["attention_mask"].bool()
+    with torch.no_grad():
+        got, want = (each(**inputs, use_cache=False).logits[rows] for each in (model, reference))
+    atol = LOGIT_TOLERANCE.get(model_type, 1e-4)
+    torch.testing.assert_close(got, want, atol=atol, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attn", FORWARD_ATTNS, indirect=True)
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("model_type", list(DECODERS))
+def test_matches_reference(model_type, method, attn):
+    """Row 1 is left-padded, at generate()'s positions: its chunks and groups are its own tokens'."""
+    model = sharp_model(model_type, attn)
+    plain = copy.deepcopy(model)
+    patched, reference = patched_beside_reference(model, METHODS[method])
+    inputs = sharp_inputs()
+    inputs["position_ids"] = _generate_positions(inputs["attention_mask"])
+    got = assert_logits_match(patched, reference, inputs)
+    with torch.no_grad():
+        unchanged = plain(**inputs).logits[inputs["attention_mask"].bool()]
+    assert (unchanged - got).abs().max() > 1e-3, "the method changed nothing"
+
+
+@pytest.mark.parametrize("attn", ["sdpa+fused", "eager", "sdpa+flex"], indirect=True)
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_with_the_other_options(option, attn):
+    patched, reference = patched_beside_reference(sharp_model("llama", attn), OPTIONS[option])
+    assert_logits_match(patched, reference, sharp_inputs())
+
+
+EVERY_METHOD = {"rerope": {"rerope_window": 4}, "leaky": {"rerope_window": 4, "rerope_leak": 3.0}, **METHODS}
+
+
+@pytest.mark.parametrize("method", list(EVERY_METHOD))
+@pytest.mark.parametrize("rope_type", list(ROPE_TYPES))
+def test_the_models_own_rope_types(rope_type, method):
+    """At each part's positions, the model's own RoPE: its rope type's frequencies and attention scaling."""
+    model = sharp_model("llama", max_position_embeddings=8, rope_parameters=ROPE_TYPES[rope_type])
+    patched, reference = patched_beside_reference(model, EVERY_METHOD[method])
+    assert_logits_match(patched, reference, sharp_inputs(length=12))  # past 8: YaRN, llama3, dynamic NTK act
+
+
+@pytest.mark.parametrize("method", list(EVERY_METHOD))
+@pytest.mark.parametrize("model_type", list(OWN_FAMILIES))
+def test_local_layers_partial_rotary_and_nope_layers(model_type, method):
+    """Gemma-3's local and global layers (each its own RoPE), GPT-NeoX's partial rotary, SmolLM3's NoPE layer; in
+    float64, where their sharp logits amplify float32's rounding past 1e-5 (by 2e-5 at most)."""
+    model = zoo_model(model_type, "sdpa", **OWN_FAMILIES[model_type]).to(torch.float64)
+    plain = copy.deepcopy(model)
+    options = {**EVERY_METHOD[method], "scale": "logn", "train_length": 2}
+    patched, reference = patched_beside_reference(model, options)
+    inputs = sharp_inputs(vocab=min(patched.config.get_text_config().vocab_size, 100))
+    got = assert_logits_match(patched, reference, inputs)
+    with torch.no_grad():
+        unchanged = plain(**inputs).logits[inputs["attention_mask"].bool()]
+    assert (unchanged - got).abs().max() > 1e-3, "the method changed nothing"
+
+
+@pytest.mark.parametrize("attn", ATTNS, indirect=True)
+@pytest.mark.parametrize("method", list(METHODS))
+def test_gradients_match_reference(method, attn):
+    options = {**METHODS[method], "sink_logit": "learnable"}
+    patched, reference = patched_beside_reference(sharp_model("llama", attn), options)
+    assert_gradients_match(patched, reference, sharp_inputs())
+
+
+@pytest.mark.parametrize("attn", FORWARD_ATTNS, indirect=True)
+@pytest.mark.parametrize("method", list(METHODS))
+def test_generate_through_the_models_cache_equals_the_whole_forward(method, attn):
+    """Decoding steps across chunk and group boundaries, row 1 left-padded: each step's logits are the whole
+    sequence's at that step (read at generate()'s positions), which equal the reference's."""
+    patched, reference = patched_beside_reference(sharp_model("llama", attn), METHODS[method])
+    inputs = sharp_inputs(length=6)
+    out = patched.generate(**inputs, max_new_tokens=12, **GREEDY)
+    mask = torch.cat([inputs["attention_mask"], torch.ones(2, 12, dtype=torch.long)], dim=1)
+    whole = {"input_ids": out.sequences, "attention_mask": mask, "position_ids": _generate_positions(mask)}
+    with torch.no_grad():
+        got, want = patched(**whole).logits, reference(**whole).logits
+    torch.testing.assert_close(torch.stack(out.logits, 1), got[:, 5:-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("attn", FORWARD_ATTNS, indirect=True)
+@pytest.mark.parametrize("method", list(METHODS))
+def test_chunks_onto_the_models_cache_equal_the_whole_forward(method, attn):
+    model = hfa.patch(sharp_model("llama", attn), **METHODS[method])
+    ids = sharp_inputs(padded=False)["input_ids"]
+    with torch.no_grad():
+        whole = model(ids).logits
+        chunked = stream_logits(model, ids, transformers.DynamicCache(config=model.config), [5, 7, 4])
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_a_left_padded_batch_equals_each_prompt_alone(method):
+    model = hfa.patch(sharp_model("qwen2"), **METHODS[method])
+    inputs = sharp_inputs()
+    with torch.no_grad():
+        batch = model(**inputs, position_ids=_generate_positions(inputs["attention_mask"])).logits
+        alone = model(input_ids=inputs["input_ids"][1:, 3:]).logits
+    torch.testing.assert_close(batch[1, 3:], alone[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "options", [{"self_extend_group": 1, "self_extend_window": 4}, {**DCA, "dual_chunk_size": 22}]
+)
+def test_what_reaches_no_far_pair_is_the_unpatched_model(options):
+    """A group of 1 places every pair where the model does; a chunk longer than the input holds it whole."""
+    model = sharp_model()
+    plain = copy.deepcopy(model)
+    hfa.patch(model, **options)
+    inputs = sharp_inputs()
+    rows = inputs["attention_mask"].bool()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(**inputs).logits[rows], plain(**inputs).logits[rows], atol=1e-5, rtol=1e-5
+        )
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"self_extend_group": 4}, "self_extend_group needs self_extend_window too"),
+        ({"self_extend_window": 4}, "self_extend_window needs self_extend_group too"),
+        ({"self_extend_group": 4, "self_extend_window": 0}, "self_extend_window must be an int >= 1"),
+        ({"dual_chunk_size": 8}, "dual_chunk_size needs dual_chunk_local too"),
+        ({"dual_chunk_size": 8, "dual_chunk_local": 8}, "dual_chunk_local must be below dual_chunk_size"),
+        ({**SE, "rerope_window": 8}, "rerope_window and self_extend_group contradict each other"),
+        ({**SE, **DCA}, "self_extend_group and dual_chunk_size contradict each other"),
+    ],
+)
+def test_invalid_options_are_one_line(options, message):
+    model = sharp_model()
+    before = copy.deepcopy(model)
+    with pytest.raises(ValueError, match=message) as error:
+        hfa.patch(model, **options)
+    assert "\n" not in str(error.value)
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: tiny_model("bert"), "is an encoder"),
+        (
+            lambda: sharp_model(attn="flex_attention"),
+            r"(Self-Extend|Dual Chunk Attention) .* needs eager or sdpa",
+        ),
+    ],
+)
+def test_models_it_cannot_serve_are_refused(build, message, method):
+    model = build()
+    before = copy.deepcopy(model)
+    with pytest.raises(ValueError, match=message) as error:
+        hfa.patch(model, **METHODS[method])
+    assert "\n" not in str(error.value) and str(error.value).startswith(next(iter(METHODS[method])))
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_calls_it_cannot_serve_are_refused_in_one_line(method):
+    """A SinkCache, a static cache, packed sequences (a method of positions needs one sequence a row)."""
+    model = hfa.patch(sharp_model(), **METHODS[method])
+    ids = torch.randint(3, SHARP_VOCAB, (1, 16))
+    name = next(iter(METHODS[method]))
+    refused = {
+        "already keeps every distance": {"past_key_values": hfa.SinkCache(2, 4)},
+        "a static cache": {
+            "past_key_values": transformers.StaticCache(config=model.config, max_cache_len=32)
+        },
+        "position_ids jump or restart": {"position_ids": (torch.arange(16) % 9)[None], "use_cache": False},
+    }
+    for message, arguments in refused.items():
+        with pytest.raises(ValueError, match=message) as error:
+            model(ids, **arguments)
+        assert "\n" not in str(error.value) and name in str(error.value)
+
+
+QWEN_1M = {  # Qwen2.5-7B-Instruct-1M's, at tiny sizes
+    "chunk_size": 6,
+    "local_size": 2,
+    "original_max_position_embeddings": 8,
+    "sparse_attention_config": None,
+    "sparse_attention_enabled": True,
+    "sparse_attention_threshold": 32768,
+}
+
+
+def test_a_checkpoints_dual_chunk_config_is_honoured_explicit_options_replace_it_and_unpatch_restores():
+    model = sharp_model("qwen2", dual_chunk_attention_config=QWEN_1M)
+    plain = copy.deepcopy(model)
+    inputs = sharp_inputs()
+    rows = inputs["attention_mask"].bool()
+    with pytest.warns(UserWarning, match="asks for Dual Chunk Attention") as caught:
+        hfa.patch(model)
+    note = str(caught[0].message)
+    assert "\n" not in note and all(
+        key in note for key in QWEN_1M if key not in ("chunk_size", "local_size")
+    ), note
+    assert hfa.get_config(model) == hfa.AttnScaleConfig(**DCA)
+    explicit = hfa.patch(copy.deepcopy(plain), **DCA)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs).logits[rows], explicit(**inputs).logits[rows])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hfa.patch(model, **SE)  # explicit: the checkpoint's DCA replaced, with no note
+    assert hfa.get_config(model) == hfa.AttnScaleConfig(**SE)
+    hfa.unpatch(model)
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).logits, plain(**inputs).logits)
+
+
+@pytest.mark.parametrize("method", [pytest.param("self_extend", marks=pytest.mark.slow), "dca"])
+def test_torch_compile_takes_the_method_whole(method):
+    """No graph break in a forward or a decoding step (as ReRoPE's, tests/core/test_rerope.py); Self-Extend's
+    step takes the same path as DCA's (from the store), under -m slow."""
+    model = hfa.patch(sharp_model("llama"), **METHODS[method])
+    ids = sharp_inputs(batch=1, padded=False)["input_ids"]
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(lambda x: model(x).logits)(ids).graph_break_count == 0
+    with torch.no_grad():
+        cache = transformers.DynamicCache(config=model.config)
+        model(ids, past_key_values=cache)
+        torch._dynamo.reset()
+        step = torch._dynamo.explain(lambda x: model(x, past_key_values=cache).logits)(ids[:, :1])
+    assert step.graph_break_count == 0, [b.reason for b in step.break_reasons]
