@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+import transformers
 from conftest import GREEDY, SHARP_VOCAB, sharp_model
 from reference import make_reference
 from transformers import AutoModelForCausalLM
@@ -193,3 +194,23 @@ def test_bad_parameters_are_one_line_and_leave_the_model(rope_parameters, messag
         hfa.patch(model, rope_parameters=rope_parameters)
     assert "\n" not in str(error.value)
     assert model.model.rotary_emb is rotary and hfa.get_config(model) is None
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "opt"])
+def test_a_model_without_a_rotary_embedding_is_refused_in_one_line(model_type):
+    """GPT-2 (learned positions) and OPT: nothing to rescale, so the option is refused, not accepted as a no-op."""
+    config = transformers.AutoConfig.for_model(
+        model_type,
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        ffn_dim=64,
+        n_embd=32,
+        n_layer=1,
+        n_head=4,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(ValueError, match=r"^rope_parameters: \w+ has no rotary embedding module") as error:
+        hfa.patch(model, rope_parameters={"rope_type": "yarn", "factor": 4.0})
+    assert "\n" not in str(error.value) and hfa.get_config(model) is None

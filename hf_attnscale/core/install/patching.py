@@ -161,6 +161,11 @@ def _installation(root: nn.Module, config: AttnScaleConfig) -> _Installation:
     # moved to a GPU before it runs.
     check_backend(root.config._attn_implementation)
     states = [_new_state(config, m, root.config) for m in modules]
+    if config.rope_parameters is not None and not rotary_slots(root):
+        raise ValueError(
+            f"rope_parameters: {type(root).__name__} has no rotary embedding module for transformers to rebuild (no "
+            "RoPE, or a rotation of its own): there is nothing to rescale."
+        )
     rotaries = [
         (
             parent,
