@@ -159,8 +159,15 @@ def test_sink_cache_on_an_encoder_raises():
     [
         {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 100.0},
         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 100.0},
+        {
+            "rope_type": "longrope",
+            "short_factor": [1.0] * 4,
+            "long_factor": [1.0, 2.0, 4.0, 8.0],
+            "original_max_position_embeddings": 16,
+            "rope_theta": 100.0,
+        },
     ],
-    ids=["dynamic NTK", "YaRN"],
+    ids=["dynamic NTK", "YaRN", "LongRoPE"],
 )
 def test_dense_equals_one_call_whatever_the_rope(rope):
     """Dense perplexity is one forward over the stream, read in chunks. Dynamic NTK rescales its frequencies with
@@ -178,7 +185,7 @@ def test_dense_equals_one_call_whatever_the_rope(rope):
     got = hfa.perplexity(model, ids, chunk_size=8, progress=False).nll
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     moved = (chunked - want).abs().max().item()
-    assert moved > 1e-2 if rope["rope_type"] == "dynamic" else moved < 1e-5
+    assert moved > 1e-2 if rope["rope_type"] in ("dynamic", "longrope") else moved < 1e-5
 
 
 @pytest.mark.parametrize(
