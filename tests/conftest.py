@@ -31,8 +31,6 @@ from transformers import (
     AutoModelForCausalLM,
     BertConfig,
     BertForMaskedLM,
-    LlamaConfig,
-    LlamaForCausalLM,
 )
 
 import hf_attnscale as hfa
@@ -395,21 +393,32 @@ def tiny_lm_with_tokenizer(vocab_size: int = 320, max_position_embeddings: int =
     Its weights are drawn 10x wider than the default so that attention changes move the loss measurably.
     """
     tokenizer = train_tokenizer(builtin_documents("train")[:3], vocab_size)
+    model = tiny_lm_for(
+        tokenizer,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return model, tokenizer
+
+
+def tiny_lm_for(tokenizer, model_type: str = "llama", attn: str = "sdpa", **overrides):
+    """A random 2-layer causal LM of ``model_type`` over ``tokenizer``'s vocabulary (seed 0), its weights drawn
+    10x wider than the default; ``overrides`` are config fields."""
     torch.manual_seed(0)
-    config = LlamaConfig(
+    config = AutoConfig.for_model(
+        model_type,
         vocab_size=len(tokenizer),
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=max_position_embeddings,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         initializer_range=0.2,
+        **overrides,
     )
-    return LlamaForCausalLM(config).eval(), tokenizer
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
 
 
 def tiny_mlm_with_tokenizer(max_position_embeddings: int = 128, **overrides):

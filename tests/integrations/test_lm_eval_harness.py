@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 
 lm_eval = pytest.importorskip("lm_eval")
 
-from conftest import stream_logits, tiny_lm_with_tokenizer, tiny_mlm_with_tokenizer  # noqa: E402
+from conftest import stream_logits, tiny_lm_for, tiny_lm_with_tokenizer, tiny_mlm_with_tokenizer  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
@@ -279,22 +278,8 @@ def test_without_a_window_loglikelihood_is_lm_evals_own_without_logits_over_the_
     layer run only where continuations are: the answers stock HFLM gives, and no call computes logits at every
     position (it used to, (B, T, V), and log-softmax them whole)."""
     _, tokenizer = tiny
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(
-        model_type,
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-        pad_token_id=tokenizer.pad_token_id,
-        **ENDINGS[model_type],
-    )
     attention = "eager" if model_type == "gemma2" else "sdpa"  # Gemma-2 refuses sdpa
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
+    model = tiny_lm_for(tokenizer, model_type, attention, max_position_embeddings=512, **ENDINGS[model_type])
     pairs = [*long_pairs, (long_pairs[1][0][:300].rstrip(), " import os")]
     continuations = [len(encoded(tokenizer, *pair)[1]) for pair in pairs]
     lengths = [sum(map(len, encoded(tokenizer, *pair))) - 1 for pair in pairs]
@@ -325,19 +310,8 @@ def test_rolling_perplexity_reads_chunks_of_logits_as_stock_hflm_reads_whole_win
     NTK): lm-eval's windows, each read in chunks of 16 at the whole window's frequencies, score as stock HFLM's
     one call per window does, while no call computes logits at more than one chunk's positions."""
     _, tokenizer = tiny
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 100.0},
-        initializer_range=0.2,
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
+    dynamic = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 100.0}
+    model = tiny_lm_for(tokenizer, max_position_embeddings=32, rope_parameters=dynamic)
     requests = [Instance("loglikelihood_rolling", {}, (text,), i) for i, text in enumerate(texts[1:])]
     rows = output_rows(model)
     stock = HFLM(pretrained=model, tokenizer=tokenizer, max_length=160).loglikelihood_rolling(requests)
