@@ -22,6 +22,7 @@ Sections (`real/`):
              three seeds, time and peak memory per cell
   depth100   the depth-100% passkeys of recall and rerope again, on version 2 of the prompts (the needle never
              directly before the question)
+  extend     Self-Extend and Dual Chunk Attention (with and without logn) beside ReRoPE, YaRN and dynamic NTK
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from real import dense, depth100, finetune, million, outliers, recall, rerope, retrofit, streams
+from real import dense, depth100, extend, finetune, million, outliers, recall, rerope, retrofit, streams
 from real.context import TRAINED_LENGTH, Context
 from real.texts import TEXTS
 
@@ -50,6 +51,7 @@ SECTIONS: dict[str, Callable[[Context], str]] = {
     "recall": recall.run,
     "rerope": rerope.run,
     "depth100": depth100.run,
+    "extend": extend.run,
 }
 
 

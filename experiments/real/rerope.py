@@ -201,7 +201,7 @@ PPL_CEILING = 25.0
 """The left panel's top: the methods that read past 8k stay below it; a value above is written there."""
 
 
-def plot(table, passkeys, depths, seeds, path: Path) -> None:
+def plot(table, passkeys, depths, seeds, path: Path, title: str | None = None) -> None:
     """Left: perplexity by position (log scale, values above `PPL_CEILING` written at the top); right:
     passkeys found of those run, by haystack length."""
     fig, (left, right) = figure(2, width=5.6, height=3.6)
@@ -262,7 +262,6 @@ def plot(table, passkeys, depths, seeds, path: Path) -> None:
             title="cells not run are not drawn",
             title_fontsize=7,
         )
-    fig.suptitle(
-        f"{SHORT_NAME[MODEL]}: ReRoPE (+ logn) against RoPE rescaling past the trained length", fontsize=10
-    )
+    title = title or f"{SHORT_NAME[MODEL]}: ReRoPE (+ logn) against RoPE rescaling past the trained length"
+    fig.suptitle(title, fontsize=10)
     save(fig, path)
