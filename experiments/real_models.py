@@ -23,6 +23,7 @@ Sections (`real/`):
   depth100   the depth-100% passkeys of recall and rerope again, on version 2 of the prompts (the needle never
              directly before the question)
   extend     Self-Extend and Dual Chunk Attention (with and without logn) beside ReRoPE, YaRN and dynamic NTK
+  eightx     SmolLM2 at 64k (8x): perplexity by position and passkeys, the favoured patches against RoPE rescaling
 """
 
 from __future__ import annotations
@@ -33,7 +34,19 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from real import dense, depth100, extend, finetune, million, outliers, recall, rerope, retrofit, streams
+from real import (
+    dense,
+    depth100,
+    eightx,
+    extend,
+    finetune,
+    million,
+    outliers,
+    recall,
+    rerope,
+    retrofit,
+    streams,
+)
 from real.context import TRAINED_LENGTH, Context
 from real.texts import TEXTS
 
@@ -52,6 +65,7 @@ SECTIONS: dict[str, Callable[[Context], str]] = {
     "rerope": rerope.run,
     "depth100": depth100.run,
     "extend": extend.run,
+    "eightx": eightx.run,
 }
 
 

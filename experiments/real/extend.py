@@ -113,7 +113,7 @@ def run(context: Context) -> str:
                 task,
                 {**common, **methods()[label]},
                 metadata,
-                None,
+                1 if task == GENESIS else None,  # Genesis: the task's first document
                 torch.get_num_threads(),
             ),
         )

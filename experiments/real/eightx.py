@@ -1,0 +1,148 @@
+"""Section 12: SmolLM2 at 65,536 tokens, 8x its trained length (issue 70, item 4).
+
+Through lm-eval's ``simple_evaluate`` with the ``hf-attnscale`` model type, as sections 9-11: perplexity by
+position over the KJV's books joined from Genesis, cut to their first 65,536 tokens (``hfa_kjv_64k``), and the
+passkeys of ``hfa_passkey_64k`` (prompts v2) at depths 0, 50% and 100%, seed 0. Methods: the unchanged model,
+YaRN and dynamic NTK with factor 8, ReRoPE w2048 + logn, and leaky ReRoPE w1024 k16 + logn (section 10's patches,
+unchanged). One prompt per cell, each in a fresh process that reports its time and peak resident memory, kept as
+it is computed; the passkeys of the patch that met the recall goal at 16k and 32k come first.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+from sections.tables import markdown
+
+import hf_attnscale as hfa
+
+from . import rerope
+from .context import SHORT_NAME, TRAINED_LENGTH, Context
+from .dense import rope_settings
+from .recall import DEPTHS, MODEL
+
+LENGTH = 65536
+DOCUMENT = "hfa_kjv_64k"
+PASSKEYS = "hfa_passkey_64k"
+
+Cell = tuple[str, str, float]
+"""(method, task, depth); the document's cell has depth 0."""
+
+
+def methods() -> dict[str, dict]:
+    """Each method's model_args beyond the common ones (RoPE rescaling at factor 8: 64k over the trained 8k)."""
+    factor = LENGTH / TRAINED_LENGTH[MODEL]
+    rope = {
+        name: {**settings, "factor": factor} for name, settings in rope_settings(MODEL).items() if settings
+    }
+    patches = rerope.methods()
+    return {
+        "ReRoPE w2048 + logn": patches["ReRoPE w2048 + logn"],
+        "YaRN (factor 8)": {"rope_parameters": rope["YaRN"]},
+        "leaky ReRoPE w1024 k16 + logn": patches["leaky ReRoPE w1024 k16 + logn"],
+        "dynamic NTK (factor 8)": {"rope_parameters": rope["dynamic NTK"]},
+        "unpatched": {},
+    }
+
+
+def cells() -> list[Cell]:
+    """Every cell in the order it runs: each method's passkeys (depth 100% first), then the documents."""
+    keys = [(label, PASSKEYS, depth) for label in methods() for depth in reversed(DEPTHS)]
+    return keys + [(label, DOCUMENT, 0.0) for label in methods()]
+
+
+def key(cell: Cell) -> str:
+    label, task, depth = cell
+    return f"eightx/{MODEL}/{task}/{label}/depth{depth:g}"
+
+
+def run(context: Context) -> str:
+    """Every cell, kept as it is computed (with ``--kept-only``, those kept so far); the tables."""
+    path = str(hfa.fetch(MODEL))
+    common = {"pretrained": path, "dtype": "float32", "max_length": 2 * LENGTH}
+    results = reported_results(context.out)
+    for cell in cells()[:1] if context.quick else cells():
+        label, task, depth = cell
+        kept = context.cells.path(key(cell)).is_file()
+        if cell in results and not kept:
+            continue
+        if context.kept_only and not kept:
+            continue
+        if task == DOCUMENT:
+            metadata = {"pretrained": path, "first_tokens": 1024 if context.quick else LENGTH}
+        else:
+            metadata = {"pretrained": path, "per_cell": 1, "seed": 0, "depths": [depth]}
+        results[cell] = context.cells.get(
+            key(cell) + ("/quick" if context.quick else ""),
+            functools.partial(
+                rerope.in_fresh_process,
+                task,
+                {**common, **methods()[label]},
+                metadata,
+                1 if task == DOCUMENT else None,  # one document (the task holds one)
+                torch.get_num_threads(),
+            ),
+        )
+        if not context.quick:
+            report(results, context.out)  # the tables as they stand, after each cell
+    return report(results, context.out)
+
+
+def reported_results(out: Path) -> dict[Cell, dict]:
+    """This section's cells as its last report wrote them (``eightx.json``, committed beside the tables)."""
+    path = out / "eightx.json"
+    if not path.is_file():
+        return {}
+    return {(c["method"], c["task"], c["depth"]): c["result"] for c in json.loads(path.read_text())}
+
+
+def report(results: dict[Cell, dict], out: Path) -> str:
+    """Perplexity by position, the keys found by depth, and each cell's cost; ``eightx.json``."""
+    kept = [
+        {"method": label, "task": task, "depth": depth, "result": value}
+        for (label, task, depth), value in results.items()
+    ]
+    (out / "eightx.json").write_text(json.dumps(kept, indent=1, default=str))
+    buckets = next(
+        (
+            [k for k in r if k.startswith("ppl_") and k.endswith(",none")]
+            for (_, t, _), r in results.items()
+            if t == DOCUMENT
+        ),
+        [],
+    )
+    ppl_rows, key_rows, cost_rows = [], [], []
+    for label in methods():
+        document = results.get((label, DOCUMENT, 0.0))
+        ppl_rows.append([label, *[f"{document[b]:,.2f}" if document else "not run" for b in buckets]])
+        row, cost = [label], [label]
+        for depth in DEPTHS:
+            prompt = results.get((label, PASSKEYS, depth))
+            row.append(
+                f"{'found' if prompt['acc,none'] == 1 else 'missed'} ({prompt['key_loglikelihood,none']:.2f})"
+                if prompt
+                else "not run"
+            )
+            cost.append(f"{prompt['seconds']:.0f} s, {prompt['peak_gib']:.1f} GiB" if prompt else "-")
+        cost.append(f"{document['seconds']:.0f} s, {document['peak_gib']:.1f} GiB" if document else "-")
+        key_rows.append(row)
+        cost_rows.append(cost)
+    trained = TRAINED_LENGTH[MODEL]
+    depths = [f"depth {d:.0%}" for d in DEPTHS]
+    return (
+        f"**{SHORT_NAME[MODEL]}** (trained at {trained}) at {LENGTH} tokens ({LENGTH // trained}x): perplexity by "
+        f"position over the KJV's first {LENGTH} tokens from Genesis (`{DOCUMENT}`, one document)\n\n"
+        + (
+            markdown(["method", *[f"positions {b[4:-5]}" for b in buckets]], ppl_rows)
+            if buckets
+            else "(no document read yet)"
+        )
+        + f"\n\nThe passkey (`{PASSKEYS}`, prompts v2, seed 0): found (greedy: every key token the argmax) or "
+        "missed, the key's mean log-likelihood in brackets\n\n"
+        + markdown(["method", *depths], key_rows)
+        + "\n\nTime of each cell (model load included) and the peak resident memory of the process that ran it\n\n"
+        + markdown(["method", *depths, "document"], cost_rows)
+    )
