@@ -94,7 +94,7 @@ def test_every_decoder_is_served_exactly_or_refused_in_one_line(model_type, meth
     except ValueError as error:
         assert str(error).startswith(next(iter(METHODS[method]))) and "\n" not in str(error), error
         assert_unchanged(model, before)
-        return
+        pytest.skip(f"{method} refused: {error}")  # scripts/support_matrix.py reads the reason from here
     reference = reference_of(before, attn, **METHODS[method])
     inputs = sharp_inputs(vocab=min(model.config.get_text_config().vocab_size, 100))
     rows = inputs["attention_mask"].bool()
