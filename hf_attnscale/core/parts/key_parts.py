@@ -121,12 +121,22 @@ SERVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CHECK = first_use.FirstUseCheck("fused CPU key parts", ENV_SWITCH)
 
 
+def may_fuse(run: Execution, query: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether `attention` may take the fused path for parts of these queries and values (its check aside): the
+    engine splits a part's keys into blocks for it alone, as the joined formulation's cost grows with them."""
+    return run.fusable and _serves(query) and query.shape[-1] == value.shape[-1]
+
+
+def _serves(query: torch.Tensor) -> bool:
+    return (
+        first_use.may_serve(query, ENV_SWITCH, ("cpu",))
+        and query.dtype in SERVED_DTYPES  # float64: the merge and its check are float32's
+    )
+
+
 def _combination(parts: Sequence[KeyPart], exit_logits: torch.Tensor | None) -> Combination | None:
     first = parts[0]
-    if (
-        not first_use.may_serve(first.query, ENV_SWITCH, ("cpu",))
-        or first.query.dtype not in SERVED_DTYPES  # float64: the merge and its check are float32's
-    ) or any(
+    if not _serves(first.query) or any(
         part.query.shape[-1] != part.value.shape[-1]
         or (
             part.visible is not None
