@@ -228,6 +228,27 @@ def test_the_fused_blocks_without_a_mask_equal_the_reference(attn, method, rows,
         torch.testing.assert_close(got, reference(ids, **later).logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("sliding", [6, 3])
+@pytest.mark.parametrize("method", list(EVERY_METHOD))
+@pytest.mark.parametrize("attn", ["sdpa+fused"], indirect=True)
+def test_the_fused_blocks_within_a_sliding_window(attn, method, sliding, monkeypatch):
+    """Mistral's sliding window (6 keys, or 3: within the window of 4) with its mask dropped, as a model that
+    passes only ``sliding_window`` would call: the blocks end where the window does."""
+    windows, call = [], engine.PartsCall.__call__
+
+    def unmasked(self, run, query, key, value, mask, **kwargs):
+        windows.append(kwargs.get("sliding_window"))
+        return call(self, run, query, key, value, None, **kwargs)
+
+    monkeypatch.setattr(engine.PartsCall, "__call__", unmasked)
+    model = sharp_model("mistral", attn, sliding_window=sliding)
+    patched, reference = patched_beside_reference(model, EVERY_METHOD[method])
+    ids = sharp_inputs(length=24, padded=False)["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(patched(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
+    assert set(windows) == {sliding}
+
+
 WIDER = {  # windows and cells of 8, over 40 tokens
     "rerope": {"rerope_window": 8},
     "leaky": {"rerope_window": 8, "rerope_leak": 3.0},
