@@ -308,5 +308,8 @@ def _sample(combination: Combination) -> tuple[list[KeyPart], torch.Tensor | Non
         key = sample(batch, combination.kv_heads, keys, dim, scale=spread)
         value = sample(batch, combination.kv_heads, keys, dim)
         parts.append(KeyPart(sample(batch, heads, queries, dim, scale=spread), key, value, visible))
-    exit_logits = (torch.linspace(-1.0, 3.0, heads) + 1.0).requires_grad_() if combination.exit else None
-    return parts, exit_logits
+    # the exit's logits near the rows' log-sum-exp: beside a part without a mask no row sees the exit alone, and
+    # an exit of no weight would leave its gradient all rounding
+    keys = sum(part.key.shape[2] for part in parts)
+    exit_logits = torch.linspace(-1.0, 3.0, heads) + math.log(keys) if combination.exit else None
+    return parts, None if exit_logits is None else exit_logits.requires_grad_()
