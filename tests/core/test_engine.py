@@ -228,6 +228,16 @@ def test_the_fused_blocks_without_a_mask_equal_the_reference(attn, method, rows,
         torch.testing.assert_close(got, reference(ids, **later).logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("method", list(EVERY_METHOD))
+@pytest.mark.parametrize("attn", ["sdpa+fused"], indirect=True)
+def test_the_fused_blocks_gradients_match_the_reference(attn, method, monkeypatch):
+    """Backward through the blocks (chunks of 3, with a learnable exit), every weight's gradient."""
+    monkeypatch.setattr(engine, "SPLIT_ROWS", 3)
+    options = {**EVERY_METHOD[method], "sink_logit": "learnable"}
+    patched, reference = patched_beside_reference(sharp_model("llama", attn), options)
+    assert_gradients_match(patched, reference, sharp_inputs(length=24, padded=False))
+
+
 @pytest.mark.parametrize("sliding", [6, 3])
 @pytest.mark.parametrize("method", list(EVERY_METHOD))
 @pytest.mark.parametrize("attn", ["sdpa+fused"], indirect=True)
