@@ -52,7 +52,8 @@ SPLIT_ROWS = 512
 MASK_CHUNK bounds nothing there). The masked blocks, computed whole, cost a query about 1.5 × rows keys where a
 causal kernel computes some 256 beyond its own (at 512 rows, 6% of the 8k keys of a 16k forward's average
 query); fewer rows cost more kernel calls, each copying its keys to every query head, on smaller tiles. On a 4k
-forward (one thread) 256 rows were 3% faster than 512, which the copies outweigh at 16k."""
+forward (one thread) 256 rows were 3% faster than 512; at 16k the masked blocks weigh a quarter of that, the
+copies as much."""
 
 
 def check_parts_backend(backend: str | None, method: Method) -> None:
