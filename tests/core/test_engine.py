@@ -6,6 +6,7 @@ method, has tests/core/test_rerope.py."""
 from __future__ import annotations
 
 import copy
+import itertools
 import warnings
 
 import pytest
@@ -27,11 +28,13 @@ from conftest import (
     sharp_model,
     stream_logits,
     tiny_model,
+    watch_fused_parts,
 )
 from model_zoo import EAGER_ONLY, LOGIT_TOLERANCE, family_types, head_of, reference_of, zoo_model
 from reference import method_positions
 
 import hf_attnscale as hfa
+from hf_attnscale.core.parts import engine, key_parts
 from hf_attnscale.core.parts.declare import dual_chunk, rerope, self_extend
 
 SE = {"self_extend_group": 2, "self_extend_window": 4}
@@ -59,6 +62,20 @@ def test_each_declaration_covers_every_causal_pair_once(name):
     i, j = torch.arange(40)[:, None], torch.arange(40)[None]
     covered = sum(part.covers(i, j).long() for part in DECLARED[name].parts)
     assert torch.equal(covered, (j <= i).long())
+
+
+@pytest.mark.parametrize("name", list(DECLARED))
+def test_each_parts_reach_bounds_the_keys_it_covers(name):
+    """`Part.reach`, the engine's blocks of keys: query i's keys in a part run from L(i) to R(i), neither of which
+    decreases with i; negative positions too (where positions lag the cache's places)."""
+    j = torch.arange(-12, 40)
+    for part in DECLARED[name].parts:
+        bounds = [part.reach(i) for i in range(-12, 40)]
+        for i, (low, high) in zip(range(-12, 40), bounds):
+            shown = (j <= high) & (j >= (j[0] if low is None else low))
+            assert torch.equal(shown, part.covers(torch.tensor(i), j)), (part, i)
+        for (low, high), (next_low, next_high) in itertools.pairwise(bounds):
+            assert high <= next_high and (low is None or low <= next_low)
 
 
 @pytest.mark.parametrize("name", ["self_extend", "self_extend, G > w", "dca", "dca, l > c"])
@@ -188,6 +205,88 @@ def test_chunks_onto_the_models_cache_equal_the_whole_forward(method, attn):
         whole = model(ids).logits
         chunked = stream_logits(model, ids, transformers.DynamicCache(config=model.config), [5, 7, 4])
     torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [512, 3])
+@pytest.mark.parametrize("method", list(EVERY_METHOD))
+@pytest.mark.parametrize("attn", ["sdpa+fused"], indirect=True)
+def test_the_fused_blocks_without_a_mask_equal_the_reference(attn, method, rows, monkeypatch):
+    """No mask from the model (two unpadded rows): each chunk's parts go to the fused kernel in blocks (the keys
+    every query meets unmasked, a masked block at either side). Chunks of the span (4: the window, DCA's
+    cells) or of 3, which divides neither; a whole forward, chunks onto the model's cache, and positions that
+    start at 3 (DCA's cells then fall elsewhere in the cache), each against the per-pair reference."""
+    monkeypatch.setattr(engine, "SPLIT_ROWS", rows)
+    patched, reference = patched_beside_reference(sharp_model("llama", attn), EVERY_METHOD[method])
+    ids = sharp_inputs(length=24, padded=False)["input_ids"]
+    later = {"position_ids": torch.arange(3, 27)[None]}
+    with torch.no_grad():
+        want = reference(ids).logits
+        torch.testing.assert_close(patched(ids).logits, want, atol=1e-5, rtol=1e-5)
+        chunked = stream_logits(patched, ids, transformers.DynamicCache(config=patched.config), [5, 7, 4])
+        torch.testing.assert_close(chunked, want, atol=1e-5, rtol=1e-5)
+        got = patched(ids, **later).logits
+        torch.testing.assert_close(got, reference(ids, **later).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", list(EVERY_METHOD))
+@pytest.mark.parametrize("attn", ["sdpa+fused"], indirect=True)
+def test_the_fused_blocks_gradients_match_the_reference(attn, method, monkeypatch):
+    """Backward through the blocks (chunks of 3, with a learnable exit), every weight's gradient."""
+    monkeypatch.setattr(engine, "SPLIT_ROWS", 3)
+    options = {**EVERY_METHOD[method], "sink_logit": "learnable"}
+    patched, reference = patched_beside_reference(sharp_model("llama", attn), options)
+    assert_gradients_match(patched, reference, sharp_inputs(length=24, padded=False))
+
+
+@pytest.mark.parametrize("sliding", [6, 3])
+@pytest.mark.parametrize("method", list(EVERY_METHOD))
+@pytest.mark.parametrize("attn", ["sdpa+fused"], indirect=True)
+def test_the_fused_blocks_within_a_sliding_window(attn, method, sliding, monkeypatch):
+    """Mistral's sliding window (6 keys, or 3: within the window of 4) with its mask dropped, as a model that
+    passes only ``sliding_window`` would call: the blocks end where the window does."""
+    windows, call = [], engine.PartsCall.__call__
+
+    def unmasked(self, run, query, key, value, mask, **kwargs):
+        windows.append(kwargs.get("sliding_window"))
+        return call(self, run, query, key, value, None, **kwargs)
+
+    monkeypatch.setattr(engine.PartsCall, "__call__", unmasked)
+    model = sharp_model("mistral", attn, sliding_window=sliding)
+    patched, reference = patched_beside_reference(model, EVERY_METHOD[method])
+    ids = sharp_inputs(length=24, padded=False)["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(patched(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
+    assert set(windows) == {sliding}
+
+
+WIDER = {  # windows and cells of 8, over 40 tokens
+    "rerope": {"rerope_window": 8},
+    "leaky": {"rerope_window": 8, "rerope_leak": 3.0},
+    "self_extend": {"self_extend_group": 2, "self_extend_window": 8},
+    "dca": {"dual_chunk_size": 10, "dual_chunk_local": 2},
+}
+
+
+@pytest.mark.parametrize("method", list(WIDER))
+def test_without_a_mask_the_fused_kernel_gets_masks_a_chunk_wide(method, monkeypatch):
+    """Where the model passes no mask, only the keys that some of a chunk's queries meet and others not are
+    masked, at most as many as the chunk's queries (its span: 8); the rest go unmasked, the far keys whole."""
+    calls = watch_fused_parts(monkeypatch, True)
+    seen = []
+    attention = key_parts.attention
+    monkeypatch.setattr(
+        key_parts, "attention", lambda run, parts: seen.append(parts) or attention(run, parts)
+    )
+    model = hfa.patch(sharp_model("llama"), **WIDER[method])
+    with torch.no_grad():
+        model(torch.randint(3, SHARP_VOCAB, (1, 40), generator=torch.Generator().manual_seed(0)))
+    parts = [part for chunk in seen for part in chunk]
+    assert calls and all(key_parts.CHECK.verdicts.values())
+    assert all(part.query.shape[2] <= 8 for part in parts)
+    masked = [part.visible.shape[-1] for part in parts if part.visible is not None]
+    unmasked = [part.key.shape[2] for part in parts if part.visible is None]
+    assert masked and max(masked) <= 8, masked
+    assert unmasked and max(unmasked) >= 24, unmasked
 
 
 @pytest.mark.parametrize("method", list(METHODS))

@@ -71,6 +71,14 @@ class Part(NamedTuple):
         covered = (j <= i) & (apart >= self.lo)
         return covered if self.hi is None else covered & (apart < self.hi)
 
+    def reach(self, i: int) -> tuple[int | None, int]:
+        """The keys the part covers for the query at position i: ``L(i) .. R(i)`` (L None: every key up to R),
+        both non-decreasing in i. ``L(i) = (⌊i/u⌋ − hi + 1)·u``, ``R(i) = min(i, (⌊i/u⌋ − lo + 1)·u − 1)``: for
+        a unit of 1, ``i − hi + 1`` and ``i − lo``."""
+        cell = i // self.unit * self.unit
+        first = None if self.hi is None else cell - (self.hi - 1) * self.unit
+        return first, min(i, cell - (self.lo - 1) * self.unit - 1)
+
     @property
     def by_distance(self) -> bool:
         """Whether its scores depend on i − j alone: a band of distance, rotated at moving positions of one speed,

@@ -9,7 +9,11 @@ runs over every part (with the exit, where there is one):
   is one compiled flex call over the whole sequence (`hf_attnscale.core.parts.flex_parts`); else the queries go in
   chunks, each chunk's parts one call of `hf_attnscale.core.parts.key_parts` (the CPU's fused kernel per part, or
   the parts joined on side-by-side channels, one backend call). A chunk of queries only reads the keys its parts
-  can reach, so no T × T tensor is held.
+  can reach, so no T × T tensor is held. Where the model passes no mask and the fused kernel serves, a part's
+  keys go in blocks: query i meets ``L(i) .. R(i)`` (`Part.reach`), both non-decreasing, so every query of the
+  chunk meets ``[L(last), R(first)]``, unmasked (a mask makes the kernel compute every block, and read the
+  mask), and only the keys at either side, at most a chunk wide, are masked; DCA's chunks stay within its cells.
+  Else one masked block a part.
 * one query (a decoding step): one backend call at the model's width, on the keys in their order, each turned
   relative to the query. Where every part depends on the distance alone (ReRoPE, leaky ReRoPE), the query is
   turned to the largest lower bound of a part (the window) and each key by its distance from there, from tables
@@ -43,6 +47,13 @@ BACKENDS = ("eager", "sdpa")
 """The backends the engine runs on: it shows each key its part by a dense mask."""
 MASK_CHUNK = 2**24
 """Mask entries per chunk call (queries × keys): 64 MiB of a float32 mask, 1,024 queries at 16k keys."""
+SPLIT_ROWS = 512
+"""Queries per chunk where a part's keys go in blocks (`_blocks`; their masks are at most rows × rows, so
+MASK_CHUNK bounds nothing there). The masked blocks, computed whole, cost a query about 1.5 × rows keys where a
+causal kernel computes some 256 beyond its own (at 512 rows, 6% of the 8k keys of a 16k forward's average
+query); fewer rows cost more kernel calls, each copying its keys to every query head, on smaller tiles. On a 4k
+forward (one thread) 256 rows were 3% faster than 512; at 16k the masked blocks weigh a quarter of that, the
+copies as much."""
 
 
 def check_parts_backend(backend: str | None, method: Method) -> None:
@@ -127,32 +138,55 @@ class PartsCall:
             out = flex_parts.attention(bands, visible, run.exit_logits, run.scaling, reach, shift)
             if out is not None:
                 return out  # else flex cannot take it: the chunks below
-        # Queries per chunk: at most a span's (where the parts meet) and a mask of at most MASK_CHUNK entries.
-        span = method.span
-        rows = max(1, min(span, MASK_CHUNK // (k_len + span)))
-        reach = sliding_window or k_len
-        outs = []
-        for start in range(0, q_len, rows):
+        # Where the fused kernel serves and the model passes no mask, each part's keys go in blocks: those every
+        # query of the chunk meets, unmasked, and a masked block at either side (`_blocks`); else one block a
+        # part, masked, at most a span's queries (where the parts meet) and MASK_CHUNK mask entries a chunk.
+        offset = _offset(shift, method) if mask is None and key_parts.may_fuse(run, query, value) else None
+        span, reach = method.span, sliding_window or k_len
+        if offset is None:
+            rows, cell = max(1, min(span, MASK_CHUNK // (k_len + span))), 1
+        else:  # no chunk crosses a cell of DCA's (its parts' unit): there only the diagonal block is masked
+            rows, cell = min(span, SPLIT_ROWS), max(part.unit for part in method.parts)
+        outs, start = [], 0
+        while start < q_len:
             stop = min(q_len, start + rows)
+            if cell > 1:  # to the end of the cell of the chunk's first query
+                stop = min(stop, start + cell - (past + start - offset) % cell)
             first, last = past + start, past + stop - 1  # the chunk's queries' places in the cache
             at = torch.arange(first, last + 1, device=device)[:, None]
-            visible = _visible(mask, start, stop, k_len, at, sliding_window, device)
-            q_pos = at if shift is None else at - shift[:, None, None, None]
+            if offset is None:
+                visible = _visible(mask, start, stop, k_len, at, sliding_window, device)
+                q_pos = at if shift is None else at - shift[:, None, None, None]
             parts = []
             for part, q, (k, base) in zip(method.parts, queries, keys):
-                begin, end = _reached(part, first, last)
-                begin = max(begin, first - reach + 1, base)
-                if end <= begin:
-                    continue
-                k_at = torch.arange(begin, end, device=device)
-                k_pos = k_at if shift is None else k_at - shift[:, None, None, None]
-                shown = visible[..., begin:end] & part.covers(q_pos, k_pos)
-                parts.append(
-                    KeyPart(
-                        q[:, :, start:stop], k[:, :, begin - base : end - base], value[:, :, begin:end], shown
+                if offset is None:
+                    begin, end = _reached(part, first, last)
+                    blocks = [(max(begin, first - reach + 1, base), end, True)]
+                else:
+                    blocks = _blocks(part, first, last, offset, base, reach)
+                for begin, end, masked in blocks:
+                    if end <= begin:
+                        continue
+                    shown = None
+                    if masked:
+                        k_at = torch.arange(begin, end, device=device)
+                        if offset is None:
+                            k_pos = k_at if shift is None else k_at - shift[:, None, None, None]
+                            shown = visible[..., begin:end] & part.covers(q_pos, k_pos)
+                        else:  # the model's mask is None: causal (in covers), within its sliding window
+                            shown = part.covers(at - offset, k_at - offset)[None, None]
+                            if sliding_window:
+                                shown = shown & (at - k_at < sliding_window)
+                    parts.append(
+                        KeyPart(
+                            q[:, :, start:stop],
+                            k[:, :, begin - base : end - base],
+                            value[:, :, begin:end],
+                            shown,
+                        )
                     )
-                )
             outs.append(key_parts.attention(run, parts))
+            start = stop
         return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0].contiguous()
 
     def _decode(self, run, query, key, value, mask, sliding_window, position_ids) -> torch.Tensor:
@@ -302,6 +336,35 @@ class _Turned:
         if at == MOVING and self.past == 0 and begin == 0:
             return self.call.own  # the model's own, at its positions (every place here is a new token)
         return frequencies.cos_sin(at.value(self._places(begin, end)), dtype, at.slower)
+
+
+def _offset(shift: torch.Tensor | None, method: Method) -> int | None:
+    """The rows' one offset of the cache's places from the model's positions, on the host, where a part's
+    pairs depend on it (a unit above 1: DCA's chunks); 0 where none does; None where rows differ."""
+    if shift is None or all(part.unit == 1 for part in method.parts):
+        return 0
+    offsets = set(shift.tolist())
+    return offsets.pop() if len(offsets) == 1 else None
+
+
+def _blocks(
+    part: Part, first: int, last: int, offset: int, base: int, reach: int
+) -> list[tuple[int, int, bool]]:
+    """The keys that the queries at the cache's places ``first .. last`` meet in ``part``, as blocks
+    ``(begin, end, masked)``: every query meets each key of the unmasked one, ``[L(last), R(first)]``, where
+    ``L`` and ``R`` (`Part.reach`, at the positions: the places less ``offset``) bound query i's keys and never
+    decrease, so that only the keys at either side need a mask (each at most the chunk's width, where it spans
+    no boundary of the part's unit); one masked block where no key is met by all. No key before ``base`` (the
+    first turned), nor ``reach`` (the sliding window) or more before its query."""
+    (low_first, high_first), (low_last, high_last) = (part.reach(i - offset) for i in (first, last))
+    begin, inner = (
+        max(base, i - reach + 1, 0 if low is None else low + offset)
+        for i, low in ((first, low_first), (last, low_last))
+    )
+    inner_end, end = high_first + offset + 1, high_last + offset + 1
+    if inner >= inner_end:
+        return [(begin, end, True)]
+    return [(inner, inner_end, False), (begin, inner, True), (inner_end, end, True)]
 
 
 def _reached(part: Part, first: int, last: int) -> tuple[int, int]:

@@ -121,12 +121,22 @@ SERVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CHECK = first_use.FirstUseCheck("fused CPU key parts", ENV_SWITCH)
 
 
+def may_fuse(run: Execution, query: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether `attention` may take the fused path for parts of these queries and values (its check aside): the
+    engine splits a part's keys into blocks for it alone, as the joined formulation's cost grows with them."""
+    return run.fusable and _serves(query) and query.shape[-1] == value.shape[-1]
+
+
+def _serves(query: torch.Tensor) -> bool:
+    return (
+        first_use.may_serve(query, ENV_SWITCH, ("cpu",))
+        and query.dtype in SERVED_DTYPES  # float64: the merge and its check are float32's
+    )
+
+
 def _combination(parts: Sequence[KeyPart], exit_logits: torch.Tensor | None) -> Combination | None:
     first = parts[0]
-    if (
-        not first_use.may_serve(first.query, ENV_SWITCH, ("cpu",))
-        or first.query.dtype not in SERVED_DTYPES  # float64: the merge and its check are float32's
-    ) or any(
+    if not _serves(first.query) or any(
         part.query.shape[-1] != part.value.shape[-1]
         or (
             part.visible is not None
@@ -298,5 +308,8 @@ def _sample(combination: Combination) -> tuple[list[KeyPart], torch.Tensor | Non
         key = sample(batch, combination.kv_heads, keys, dim, scale=spread)
         value = sample(batch, combination.kv_heads, keys, dim)
         parts.append(KeyPart(sample(batch, heads, queries, dim, scale=spread), key, value, visible))
-    exit_logits = (torch.linspace(-1.0, 3.0, heads) + 1.0).requires_grad_() if combination.exit else None
-    return parts, exit_logits
+    # the exit's logits near the rows' log-sum-exp: beside a part without a mask no row sees the exit alone, and
+    # an exit of no weight would leave its gradient all rounding
+    keys = sum(part.key.shape[2] for part in parts)
+    exit_logits = torch.linspace(-1.0, 3.0, heads) + math.log(keys) if combination.exit else None
+    return parts, None if exit_logits is None else exit_logits.requires_grad_()
