@@ -30,8 +30,14 @@ TESTS = [
     "tests/streaming/test_streaming_families.py",
     "tests/core/test_rerope.py::test_every_decoder_is_served_exactly_or_refused_in_one_line",
     "tests/core/test_engine.py::test_every_decoder_is_served_exactly_or_refused_in_one_line",
+    "tests/core/test_rescaling.py::test_every_decoder_equals_transformers_built_with_them_or_is_refused_in_one_line",
 ]
-POSITION_METHODS = {"rerope": "ReRoPE + logn", "self_extend": "Self-Extend", "dca": "DCA"}
+POSITION_METHODS = {
+    "rerope": "ReRoPE + logn",
+    "self_extend": "Self-Extend",
+    "dca": "DCA",
+    "rope_parameters": "YaRN (rope_parameters)",
+}
 """Per-type columns of the methods that change positions: the column's key and its heading."""
 
 
@@ -79,6 +85,8 @@ def collect(root: ET.Element) -> dict[str, dict[str, tuple[str, str]]]:
             rows[model_type][f"{feature} ({attn})"] = outcome(case)
         elif test == "test_streaming_every_rope_decoder":
             rows[params]["streaming"] = outcome(case)
+        elif test == "test_every_decoder_equals_transformers_built_with_them_or_is_refused_in_one_line":
+            rows[params]["rope_parameters"] = outcome(case)
         elif test == "test_every_decoder_is_served_exactly_or_refused_in_one_line":
             if "test_engine" in case.get("classname", ""):  # test_engine's: [model_type-method]
                 model_type, method = params.rsplit("-", 1)

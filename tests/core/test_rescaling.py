@@ -8,11 +8,13 @@ import copy
 import pytest
 import torch
 import transformers
-from conftest import GREEDY, SHARP_VOCAB, sharp_model
+from conftest import GREEDY, SHARP_VOCAB, assert_unchanged, sharp_inputs, sharp_model
+from model_zoo import EAGER_ONLY, LOGIT_TOLERANCE, family_types, head_of, zoo_model
 from reference import make_reference
 from transformers import AutoModelForCausalLM
 
 import hf_attnscale as hfa
+from hf_attnscale.core.compat import nested_rope_keys
 from hf_attnscale.core.install.families import attention_modules
 
 TRAINED = 16
@@ -214,3 +216,75 @@ def test_a_model_without_a_rotary_embedding_is_refused_in_one_line(model_type):
     with pytest.raises(ValueError, match=r"^rope_parameters: \w+ has no rotary embedding module") as error:
         hfa.patch(model, rope_parameters={"rope_type": "yarn", "factor": 4.0})
     assert "\n" not in str(error.value) and hfa.get_config(model) is None
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0}
+ROTARY_LAYERS = {"flint": {"layer_types": ["sliding_attention", "full_attention"]}}
+"""Layers that use RoPE, where the tiny model's have none (Flint rotates its sliding-window layers only)."""
+
+
+def _built_with(plain: torch.nn.Module, given: dict, attn: str) -> torch.nn.Module:
+    """``plain`` built again by transformers from its config with ``given`` in place of its RoPE parameters (its
+    base and rotary share kept; by layer type where it has several), with ``plain``'s weights: transformers' own
+    wiring of the rescaled RoPE, whatever module computes it. Every module but the rotary embeddings reads the
+    model's own config, as under the patch (Ministral-3's attention reads its scaling law's beta there)."""
+    config = copy.deepcopy(plain.config)
+    text = config.get_text_config()
+    own = copy.deepcopy(text.rope_parameters)
+    kept = lambda params: {k: v for k, v in params.items() if k in ("rope_theta", "partial_rotary_factor")}  # noqa: E731
+    if nested_rope_keys(text, own):
+        text.rope_parameters = {
+            kind: {**kept(own[kind]), **given[kind]} if kind in given else own[kind] for kind in own
+        }
+    else:
+        text.rope_parameters = {**kept(own), **given}
+    config._attn_implementation = attn
+    model = type(plain)(config)
+    model.load_state_dict(plain.state_dict())
+    originals = {id(config): plain.config, id(text): plain.config.get_text_config()}
+    for module in model.modules():
+        if not hasattr(module, "rope_type") and id(getattr(module, "config", None)) in originals:
+            module.config = originals[id(module.config)]
+    return model.eval()
+
+
+DEFAULT_SUITE = ("llama", "ministral3", "flint", "gemma4_text", "mimo_v2_flash", "recurrent_gemma", "lfm3")
+"""Served (with a scaling law read from the config; with rotary layers of one type only) and refused (a RoPE of
+its own; transformers' own refusal; no RoPE to rebuild) in the default suite; every decoder under -m slow."""
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    [
+        t if t in DEFAULT_SUITE else pytest.param(t, marks=pytest.mark.slow)
+        for t in family_types()
+        if head_of(t) == "causal"
+    ],
+)
+def test_every_decoder_equals_transformers_built_with_them_or_is_refused_in_one_line(model_type):
+    """YaRN (factor 4) on each decoder type the package supports equals the same model built by transformers
+    with those parameters, or the patch refuses it in one line, the model unchanged (no rotary embedding module
+    to rebuild, say). docs/SUPPORT.md's column."""
+    attn = "eager" if model_type in EAGER_ONLY else "sdpa"
+    model = zoo_model(model_type, attn, **ROTARY_LAYERS.get(model_type, {}))
+    before = copy.deepcopy(model)
+    text = model.config.get_text_config()
+    nested = nested_rope_keys(text, getattr(text, "rope_parameters", None) or {})
+    given = {kind: YARN for kind in nested} if nested else YARN
+    try:
+        hfa.patch(model, rope_parameters=given)
+    except ValueError as error:
+        assert str(error).startswith("rope_parameters") and "\n" not in str(error), error
+        assert_unchanged(model, before)
+        pytest.skip(
+            f"rope_parameters refused: {error}"
+        )  # scripts/support_matrix.py reads the reason from here
+    reference = _built_with(before, given, attn)
+    inputs = sharp_inputs(vocab=min(text.vocab_size, 100))
+    rows = inputs["attention_mask"].bool()
+    with torch.no_grad():
+        got, want, unchanged = (
+            each(**inputs, use_cache=False).logits[rows] for each in (model, reference, before)
+        )
+    torch.testing.assert_close(got, want, atol=LOGIT_TOLERANCE.get(model_type, 1e-4), rtol=1e-4)
+    assert (unchanged - got).abs().max() > 1e-3, "YaRN changed nothing"

@@ -7,9 +7,11 @@ parameters)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
+import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -68,12 +70,36 @@ def rescaled(rotary: nn.Module, rope_parameters: dict[str, Any]) -> nn.Module:
         config.standardize_rope_params()
         config.validate_rope()
         built = type(original)(config=config)
-    except (KeyError, ValueError, TypeError) as error:
+    except (KeyError, ValueError, TypeError, AttributeError, RuntimeError) as error:
         reason = error.args[0] if isinstance(error, KeyError) and error.args else str(error)  # no repr quotes
         raise ValueError(f"rope_parameters {rope_parameters}: {str(reason).splitlines()[0]}") from None
     built.to(original.inv_freq.device if hasattr(original, "inv_freq") else None)
+    for kind in rope_parameters if nested else [None]:
+        own_shape = _cos_shape(original, kind)
+        if own_shape is not None and (shape := _cos_shape(built, kind)) != own_shape:
+            where = "" if kind is None else f" for {kind!r} layers"
+            raise ValueError(
+                f"rope_parameters {rope_parameters}: transformers builds this model's rotary embedding{where} at "
+                f"{shape[-1]} rotary dims where its attention takes {own_shape[-1]} (a RoPE of its own, such as "
+                "'proportional'); keep this layer type's own."
+            )
     built.__dict__[ORIGINAL_ATTR] = original
     return built
+
+
+def _cos_shape(rotary: nn.Module, kind: str | None) -> torch.Size | None:
+    """The shape of the cos ``rotary`` gives two positions (of a layer type ``kind``, where it has several), or
+    None where it computes none for that kind (a layer type the model's layers do not have)."""
+    buffer = next(iter(rotary.buffers()), None)
+    probe = torch.zeros(1, 2, 1, device=None if buffer is None else buffer.device)
+    with torch.no_grad(), contextlib.suppress(KeyError, AttributeError):
+        cos, _ = rotary(
+            probe,
+            torch.arange(2, device=probe.device)[None],
+            **({} if kind is None else {"layer_type": kind}),
+        )
+        return cos.shape
+    return None
 
 
 KEPT = ("rope_theta", "partial_rotary_factor")
