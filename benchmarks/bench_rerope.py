@@ -1,5 +1,5 @@
-"""ReRoPE's cost on SmolLM2-135M (issue 55): one forward over ``--tokens`` tokens and a decode step after it,
-patched with ReRoPE (+ logn) against the unpatched model, each variant in a fresh process, interleaved, medians
+"""The parts engine's cost on SmolLM2-135M (issues 55, 71): one forward over ``--tokens`` tokens and a decode step
+after it, patched with ReRoPE, Self-Extend or DCA (+ logn) against the unpatched model, each variant in a fresh process, interleaved, medians
 of ``--repeats`` runs:
 
     python benchmarks/bench_rerope.py --tokens 16384 --repeats 3
@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-REROPE_LOGN = {"rerope_window": 1024, "scale": "logn", "train_length": 8192}
+LOGN = {"scale": "logn", "train_length": 8192}
+REROPE_LOGN = {"rerope_window": 1024, **LOGN}
 VARIANTS = {  # name: (patch options, environment)
     "unpatched": ({}, {}),
     "ReRoPE + logn": (REROPE_LOGN, {}),
@@ -42,6 +43,9 @@ VARIANTS = {  # name: (patch options, environment)
         REROPE_LOGN,
         {"HF_ATTNSCALE_FUSED_PARTS": "0", "HF_ATTNSCALE_FLEX_PARTS": "0"},
     ),
+    # compare's defaults for a model trained at 8k read to 32k (RESULTS section 11's)
+    "Self-Extend + logn": ({"self_extend_group": 5, "self_extend_window": 2048, **LOGN}, {}),
+    "DCA + logn": ({"dual_chunk_size": 6144, "dual_chunk_local": 512, **LOGN}, {}),
 }
 """The default ReRoPE takes the device's fast path: the CPU's fused key parts (`hf_attnscale.core.parts.key_parts`),
 CUDA's flex key bands (`hf_attnscale.core.parts.flex_parts`); the public formulation, doubled channels through
