@@ -40,7 +40,7 @@ from hf_attnscale.core.call.state import state_of
 from hf_attnscale.core.install.families import Rotary
 from hf_attnscale.core.install.wrappers import wrapped
 from hf_attnscale.core.parts.declare import RAW, Method, method_of
-from hf_attnscale.core.parts.engine import PartsCall, check_parts_backend
+from hf_attnscale.core.parts.engine import PartsCall, at_store, check_parts_backend
 
 ATTENTION_STEP = "attention_step"
 CACHE_ARGUMENTS = ("past_key_values", "cache", "layer_past")
@@ -119,6 +119,7 @@ def _parts_forward(self: nn.Module, method: Method, position_embeddings: Any, **
         frequencies=frequencies,
         own=(cos, sin),
         positions=positions,
+        layer=index,
     )
     if method.store == RAW:
         one, zero = _identity(cos.dtype, cos.device)
@@ -127,7 +128,7 @@ def _parts_forward(self: nn.Module, method: Method, position_embeddings: Any, **
         if positions is None or positions.dim() != 2:
             past = cache.get_seq_length(index) if cache is not None and index is not None else 0
             positions = torch.arange(past, past + cos.shape[-2], device=cos.device)[None]
-        stored = frequencies.cos_sin(method.store.value(positions), cos.dtype, method.store.slower)
+        stored = at_store(method, frequencies, positions, cos.dtype, index)  # once in a forward
     hooks = CallHooks(parts=call)
     return forward_with_hooks(self, hooks, called_as_module=True, position_embeddings=stored, **kwargs)
 

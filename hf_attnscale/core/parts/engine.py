@@ -19,7 +19,9 @@ runs over every part (with the exit, where there is one):
   turned to the largest lower bound of a part (the window) and each key by its distance from there, from tables
   kept across layers and steps (`RotaryFrequencies.at_distances`), the keys a part holds fixed not at all; else
   the query is turned to where the unbounded part places it, and only the keys of the other parts turn (those
-  of the unbounded part sit where the store keeps them).
+  of the unbounded part sit where the store keeps them), by cos/sin that depend on the step's positions alone:
+  made by the first layer of the forward and read by the others (`shared_by_layers`), as are the cos/sin at the
+  store of the call's new tokens (`at_store`).
 
 Positions: a method whose scores depend on the distance alone counts it in the cache, so a row's distances are
 those of its tokens whenever its positions run on by one (`check_positions`). Others place queries and keys at
@@ -30,7 +32,9 @@ then hold one offset for every real token of the row.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -74,6 +78,7 @@ class PartsCall:
         frequencies: the rotary module's, as of this call.
         own: the model's own cos/sin for the call's new tokens.
         positions: the model's ``position_ids`` of the call's new tokens, where its layer passes them.
+        layer: the attention module's ``layer_idx`` (None: its layer makes what the others could share).
     """
 
     method: Method
@@ -81,6 +86,7 @@ class PartsCall:
     frequencies: RotaryFrequencies
     own: CosSin
     positions: torch.Tensor | None = None
+    layer: int | None = None
 
     def __call__(
         self,
@@ -247,41 +253,122 @@ class PartsCall:
         scores: every pair's angle is ``k(j) − q(i)``), which is 0 for the anchor's keys where they sit where
         they are stored: then only the keys of the other parts turn, all within their reach of the query. Turns
         of what is stored rotated are pure rotations; raw keys (a store of RAW) all turn, with the attention
-        scaling."""
-        method, frequencies, dtype, device = self.method, self.frequencies, query.dtype, query.device
-        store, k_len = method.store, key.shape[2]
-        raw = store == RAW
-        anchor = next((part for part in method.parts if part.hi is None), method.parts[0])
-        start = 0
-        if not raw and anchor.hi is None and anchor.key == store:
-            reaches = [part.hi * part.unit for part in method.parts if part is not anchor]
-            reach = max(reaches) if reaches else 0  # (no `default=`: torch.compile takes max without it)
-            start = max(0, k_len - reach)
-        shift = _shift(position_ids, k_len - 1)
-        i = torch.full((1, 1), k_len - 1, device=device) if shift is None else (k_len - 1 - shift)[:, None]
-        j = torch.arange(start, k_len, device=device)[None]
-        if shift is not None:
-            j = j - shift[:, None]
-        if raw or anchor.query != store:
-            turn = anchor.query.angle(i) - store.angle(i)
-            query = self.rope(query, *frequencies.cos_sin(turn, dtype, scaled=raw))
-        cos = sin = None
-        for part in method.parts:
-            if part is anchor and not raw and part.key == store:
-                continue  # as stored
-            towards = part.query.angle(i) - anchor.query.angle(i)  # (B|1, 1)
-            if part.key == store and not raw:
-                angle = -towards  # the same for every key of the part
-            else:
-                angle = part.key.angle(j) - store.angle(j) - towards
-            turned = frequencies.cos_sin(angle, dtype, scaled=raw)
-            covered = part.covers(i, j)[..., None]
-            cos = torch.where(covered, turned[0], 1.0 if cos is None else cos)
-            sin = torch.where(covered, turned[1], 0.0 if sin is None else sin)
-        if cos is None:
+        scaling. The cos/sin depend on the step's positions alone: every layer of the forward reads the first
+        one's (`shared_by_layers`)."""
+        frequencies, k_len = self.frequencies, key.shape[2]
+        start, turn_query, turn_keys = shared_by_layers(
+            self.layer,
+            ("from store", self.method, k_len, query.dtype, query.device, frequencies.scaling),
+            (position_ids, frequencies.inv_freq),
+            lambda: _turns_from_store(
+                self.method, frequencies, k_len, position_ids, query.dtype, query.device
+            ),
+        )
+        if turn_query is not None:
+            query = self.rope(query, *turn_query)
+        if turn_keys is None:
             return query, key
-        near = self.rope(key[:, :, start:], cos, sin)
+        near = self.rope(key[:, :, start:], *turn_keys)
         return query, near if start == 0 else torch.cat([key[:, :, :start], near], dim=2)
+
+
+def _turns_from_store(
+    method: Method, frequencies: RotaryFrequencies, k_len: int, position_ids, dtype, device
+) -> tuple[int, CosSin | None, CosSin | None]:
+    """`PartsCall._turn_from_store`'s turns at a step of ``k_len`` keys: the first key that turns, the query's
+    cos/sin (None: it stays) and the keys' from there on (None: none turns)."""
+    store = method.store
+    raw = store == RAW
+    anchor = next((part for part in method.parts if part.hi is None), method.parts[0])
+    start = 0
+    if not raw and anchor.hi is None and anchor.key == store:
+        reaches = [part.hi * part.unit for part in method.parts if part is not anchor]
+        reach = max(reaches) if reaches else 0  # (no `default=`: torch.compile takes max without it)
+        start = max(0, k_len - reach)
+    shift = _shift(position_ids, k_len - 1)
+    i = torch.full((1, 1), k_len - 1, device=device) if shift is None else (k_len - 1 - shift)[:, None]
+    j = torch.arange(start, k_len, device=device)[None]
+    if shift is not None:
+        j = j - shift[:, None]
+    turn_query = None
+    if raw or anchor.query != store:
+        turn = anchor.query.angle(i) - store.angle(i)
+        turn_query = frequencies.cos_sin(turn, dtype, scaled=raw)
+    cos = sin = None
+    for part in method.parts:
+        if part is anchor and not raw and part.key == store:
+            continue  # as stored
+        towards = part.query.angle(i) - anchor.query.angle(i)  # (B|1, 1)
+        # the same for every key of the part where its keys sit as stored
+        angle = -towards if part.key == store and not raw else part.key.angle(j) - store.angle(j) - towards
+        turned = frequencies.cos_sin(angle, dtype, scaled=raw)
+        covered = part.covers(i, j)[..., None]
+        cos = torch.where(covered, turned[0], 1.0 if cos is None else cos)
+        sin = torch.where(covered, turned[1], 0.0 if sin is None else sin)
+    return start, turn_query, None if cos is None else (cos, sin)
+
+
+def at_store(
+    method: Method,
+    frequencies: RotaryFrequencies,
+    positions: torch.Tensor,
+    dtype: torch.dtype,
+    layer: int | None,
+) -> CosSin:
+    """cos/sin at the method's store of the model's ``positions`` ``(B|1, n)`` (of the call's new tokens), which
+    the patched forward rotates its queries and keys by: the same in every layer of the forward
+    (`shared_by_layers`)."""
+    store = method.store
+    return shared_by_layers(
+        layer,
+        ("at store", store, dtype, positions.device, frequencies.scaling),
+        (positions, frequencies.inv_freq),
+        lambda: frequencies.cos_sin(store.value(positions), dtype, store.slower),
+    )
+
+
+class _SharedByLayers:
+    """What every layer of one forward computes alike from the call's positions (`shared_by_layers`): the last
+    few, each with the ``(static, tensors)`` it was made for and the last layer that read it; replaced as one
+    tuple, so that threads only ever make one again."""
+
+    KEPT = 4
+
+    def __init__(self) -> None:
+        self._entries: tuple[tuple[tuple, tuple, int, Any], ...] = ()
+
+    def get(self, layer: int | None, static: tuple, tensors: tuple, make: Callable[[], Any]) -> Any:
+        if layer is None or torch.compiler.is_compiling():
+            return make()  # a graph computes it itself (it fuses it), as a layer with no index does
+        entries = self._entries
+        for index, (kept, held, last, value) in enumerate(entries):
+            if kept == static and all(a is b for a, b in zip(held, tensors)):
+                if layer > last:  # a later layer of the same forward
+                    self._entries = ((kept, held, layer, value), *entries[:index], *entries[index + 1 :])
+                    return value
+                entries = entries[:index] + entries[index + 1 :]  # another forward: made again
+                break
+        value = make()
+        self._entries = ((static, tensors, layer, value), *entries[: self.KEPT - 1])
+        return value
+
+
+_SHARED = _SharedByLayers()
+
+
+def shared_by_layers(layer: int | None, static: tuple, tensors: tuple, make: Callable[[], Any]) -> Any:
+    """``make()``, which depends only on ``static`` (hashable: lengths, dtype, device...) and on ``tensors`` (the
+    call's ``position_ids``, the rotary's ``inv_freq``; None where absent), made by the first layer of a forward
+    that asks and read by its later ones (``layer``: the asking layer's index; None: made for it alone).
+
+    A forward's layers pass the same tensor objects, and run in the order of their indices; an entry serves a
+    layer after the last one that read it, for the same ``static`` and the same tensor objects (compared by
+    identity: no value is read, so nothing waits on the device). A layer at or before it starts another
+    forward, which makes it again: so a new step, a tensor changed in place between forwards (an inference
+    tensor counts no changes), a rotary replaced, or another model's rotary, never reads what was made before.
+    Under torch.compile the graph computes it in each layer (it fuses it into its kernels). Kept: the last
+    `_SharedByLayers.KEPT` (one layer's cos/sin each, at most a part's reach of keys)."""
+    return _SHARED.get(layer, static, tensors, make)
 
 
 class _Turned:
