@@ -34,6 +34,7 @@ from model_zoo import EAGER_ONLY, LOGIT_TOLERANCE, family_types, head_of, refere
 from reference import method_positions
 
 import hf_attnscale as hfa
+from hf_attnscale.core.call.rope import RotaryFrequencies
 from hf_attnscale.core.parts import engine, key_parts
 from hf_attnscale.core.parts.declare import dual_chunk, rerope, self_extend
 
@@ -194,6 +195,96 @@ def test_generate_through_the_models_cache_equals_the_whole_forward(method, attn
         got, want = patched(**whole).logits, reference(**whole).logits
     torch.testing.assert_close(torch.stack(out.logits, 1), got[:, 5:-1], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=1e-5, rtol=1e-5)
+
+
+LOCAL_AND_GLOBAL = {  # a local layer and a global one
+    # each its own RoPE, the local layer's cache the window's (fewer keys than the global one's)
+    "gemma3, window 6": ("gemma3_text", {"sliding_window": 6}),
+    # each its own RoPE, a window past the sequence: as many keys in both
+    "gemma3, window 64": ("gemma3_text", {"sliding_window": 64}),
+    # one RoPE for both, the local layer's cache the window's
+    "qwen2, window 6": ("qwen2", {"use_sliding_window": True, "sliding_window": 6}),
+}
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("model", list(LOCAL_AND_GLOBAL))
+def test_decoding_through_layers_of_other_keys_or_frequencies_equals_the_whole_forward(model, method):
+    """A forward's layers share the step's cos/sin (`engine.shared_by_layers`) only where they have the same
+    frequencies and as many keys: each step of a left-padded batch equals the whole sequence's logits, which equal
+    the reference's; in float64, where the sharp logits amplify float32's rounding."""
+    model_type, overrides = LOCAL_AND_GLOBAL[model]
+    plain = zoo_model(model_type, layer_types=["sliding_attention", "full_attention"], **overrides)
+    patched, reference = patched_beside_reference(plain.to(torch.float64), METHODS[method])
+    inputs = sharp_inputs(length=6, vocab=min(patched.config.vocab_size, 100))
+    out = patched.generate(**inputs, max_new_tokens=12, **GREEDY)
+    mask = torch.cat([inputs["attention_mask"], torch.ones(2, 12, dtype=torch.long)], dim=1)
+    whole = {"input_ids": out.sequences, "attention_mask": mask, "position_ids": _generate_positions(mask)}
+    with torch.no_grad():
+        got, want = patched(**whole).logits, reference(**whole).logits
+    steps = torch.stack(out.logits, 1)  # generate() hands them in float32
+    torch.testing.assert_close(steps, got[:, 5:-1].float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=1e-9, rtol=1e-9)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_a_step_reads_no_cos_sin_made_in_another_forward(method):
+    """Steps of the same length through one ``position_ids`` tensor, rewritten in place for each: two batches
+    padded apart, then the model's RoPE frequencies changed in place, then another model of other frequencies;
+    under inference mode, where no tensor counts its changes. Each step equals its whole forward: a forward's
+    cos/sin serve its own later layers only (`engine.shared_by_layers`)."""
+    models = [hfa.patch(sharp_model("llama", rope_theta=theta), **METHODS[method]) for theta in (100.0, 37.0)]
+    first, other = models
+    token = torch.tensor([[5], [7]])
+    with torch.inference_mode():
+        positions = torch.zeros(2, 1, dtype=torch.long)  # an inference tensor: no version counter
+        for model, pad in [(first, 3), (first, 1), ("change", 1), (first, 1), (other, 1)]:
+            if model == "change":
+                first.model.rotary_emb.inv_freq.mul_(0.7)  # in place: the same tensor
+                continue
+            inputs = sharp_inputs(length=10)
+            inputs["attention_mask"][1] = 1
+            inputs["attention_mask"][1, :pad] = 0
+            mask = torch.cat([inputs["attention_mask"], torch.ones_like(token)], dim=1)
+            every = _generate_positions(mask)
+            cache = transformers.DynamicCache(config=model.config)
+            model(**inputs, position_ids=every[:, :-1], past_key_values=cache)
+            positions.copy_(every[:, -1:])
+            step = model(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=cache)
+            ids = torch.cat([inputs["input_ids"], token], dim=1)
+            whole = model(input_ids=ids, attention_mask=mask, position_ids=every).logits[:, -1]
+            torch.testing.assert_close(step.logits[:, -1], whole, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_a_decoding_step_makes_its_cos_sin_once_not_in_every_layer(method, monkeypatch):
+    """Self-Extend's and DCA's steps turn keys by cos/sin of the step's positions alone, and rotate the new token
+    at the store by others: the first layer makes them, the later layers read them (`engine.shared_by_layers`),
+    so that a step of 4 layers computes as many as a step of 1."""
+    made = []
+    cos_sin = RotaryFrequencies.cos_sin
+
+    def counted(self, *args, **kwargs):
+        made.append(1)
+        return cos_sin(self, *args, **kwargs)
+
+    monkeypatch.setattr(RotaryFrequencies, "cos_sin", counted)
+    per_step = {}
+    for layers in (1, 4):
+        model = hfa.patch(sharp_model("llama", num_hidden_layers=layers), **METHODS[method])
+        inputs = sharp_inputs(length=10)
+        mask = inputs["attention_mask"]
+        cache = transformers.DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(**inputs, position_ids=_generate_positions(mask), past_key_values=cache)
+            made.clear()
+            for token in range(3, 6):
+                mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
+                positions = _generate_positions(mask)[:, -1:]
+                ids = torch.full((2, 1), token)
+                model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        per_step[layers] = len(made) / 3
+    assert per_step[4] == per_step[1] > 0, per_step
 
 
 @pytest.mark.parametrize("attn", FORWARD_ATTNS, indirect=True)
