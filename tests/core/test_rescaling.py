@@ -163,6 +163,25 @@ def test_patching_again_replaces_it(tmp_path):
     assert rotary.rope_type == "default" and not hasattr(rotary, "_hfa_original_rotary")
 
 
+def test_leaves_a_dynamic_rotary_as_it_was_grown():
+    """Patching asks the rotaries it builds and the model's own for their cos/sin dims: on copies, so a dynamic
+    rotary grown by a long read keeps its frequencies through patch and unpatch."""
+    model = sharp_model(
+        "llama",
+        max_position_embeddings=TRAINED,
+        rope_parameters={**RESCALINGS["dynamic"], "rope_theta": 10000.0},
+    )
+    with torch.no_grad():
+        model(_ids(length=3 * TRAINED))  # past the trained length: the dynamic rotary grows its base
+    rotary = model.model.rotary_emb
+    grown, cached = rotary.inv_freq.clone(), rotary.max_seq_len_cached
+    assert not torch.equal(grown, rotary.original_inv_freq)
+    hfa.patch(model, rope_parameters=RESCALINGS["yarn"])
+    hfa.unpatch(model)
+    assert model.model.rotary_emb is rotary
+    assert torch.equal(rotary.inv_freq, grown) and rotary.max_seq_len_cached == cached
+
+
 def test_survives_save_and_reload(tmp_path):
     model = hfa.patch(
         sharp_model("llama", max_position_embeddings=TRAINED), rope_parameters=RESCALINGS["yarn"]

@@ -89,7 +89,9 @@ def rescaled(rotary: nn.Module, rope_parameters: dict[str, Any]) -> nn.Module:
 
 def _cos_shape(rotary: nn.Module, kind: str | None) -> torch.Size | None:
     """The shape of the cos ``rotary`` gives two positions (of a layer type ``kind``, where it has several), or
-    None where it computes none for that kind (a layer type the model's layers do not have)."""
+    None where it computes none for that kind (a layer type the model's layers do not have). A copy is asked, as
+    dynamic and LongRoPE rotaries change their frequencies with the length they are called at."""
+    rotary = copy.deepcopy(rotary)
     buffer = next(iter(rotary.buffers()), None)
     probe = torch.zeros(1, 2, 1, device=None if buffer is None else buffer.device)
     with torch.no_grad(), contextlib.suppress(KeyError, AttributeError):
