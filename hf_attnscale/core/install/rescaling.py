@@ -88,19 +88,20 @@ def rescaled(rotary: nn.Module, rope_parameters: dict[str, Any]) -> nn.Module:
 
 
 def _cos_shape(rotary: nn.Module, kind: str | None) -> torch.Size | None:
-    """The shape of the cos ``rotary`` gives two positions (of a layer type ``kind``, where it has several), or
-    None where it computes none for that kind (a layer type the model's layers do not have). A copy is asked, as
-    dynamic and LongRoPE rotaries change their frequencies with the length they are called at."""
+    """The shape of what ``rotary`` gives two positions (its cos, or its complex frequencies where it gives one
+    tensor, as DeepSeek-V2's and Llama 4's do), of a layer type ``kind`` where it has several; None where it
+    computes none for that kind (a layer type the model's layers do not have). A copy is asked, as dynamic and
+    LongRoPE rotaries change their frequencies with the length they are called at."""
     rotary = copy.deepcopy(rotary)
     buffer = next(iter(rotary.buffers()), None)
     probe = torch.zeros(1, 2, 1, device=None if buffer is None else buffer.device)
     with torch.no_grad(), contextlib.suppress(KeyError, AttributeError):
-        cos, _ = rotary(
+        given = rotary(
             probe,
             torch.arange(2, device=probe.device)[None],
             **({} if kind is None else {"layer_type": kind}),
         )
-        return cos.shape
+        return (given[0] if isinstance(given, tuple) else given).shape
     return None
 
 
