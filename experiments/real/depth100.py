@@ -11,7 +11,6 @@ compute logits only at the key's positions, so these memory figures are not comp
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 from pathlib import Path
@@ -78,19 +77,12 @@ def run(context: Context) -> str:
             continue
         if context.kept_only and not context.cells.path(cell).is_file():
             continue
-        metadata = {"pretrained": path, "per_cell": 1, "seed": seed, "depths": [1.0]}
-        task = PASSKEY_TASKS[length]
-        limit = None
-        results[(label, length, seed)] = context.cells.get(
-            cell,
-            functools.partial(
-                rerope.in_fresh_process,
-                task,
-                {**common, **methods()[label]},
-                metadata,
-                limit,
-                torch.get_num_threads(),
-            ),
+        results[(label, length, seed)] = rerope.one_cell(
+            context,
+            key(label, length, seed),
+            PASSKEY_TASKS[length],
+            {**common, **methods()[label]},
+            seed=seed,
         )
     return report(results, context.out)
 

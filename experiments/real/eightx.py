@@ -10,11 +10,9 @@ it is computed; the passkeys of the patch that met the recall goal at 16k and 32
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
-import torch
 from sections.tables import markdown
 
 import hf_attnscale as hfa
@@ -71,20 +69,10 @@ def run(context: Context) -> str:
             continue
         if context.kept_only and not kept:
             continue
-        if task == DOCUMENT:
-            metadata = {"pretrained": path, "first_tokens": 1024 if context.quick else LENGTH}
-        else:
-            metadata = {"pretrained": path, "per_cell": 1, "seed": 0, "depths": [depth]}
-        results[cell] = context.cells.get(
-            key(cell) + ("/quick" if context.quick else ""),
-            functools.partial(
-                rerope.in_fresh_process,
-                task,
-                {**common, **methods()[label]},
-                metadata,
-                1 if task == DOCUMENT else None,  # one document (the task holds one)
-                torch.get_num_threads(),
-            ),
+        first_tokens = (1024 if context.quick else LENGTH) if task == DOCUMENT else None
+        model_args = {**common, **methods()[label]}
+        results[cell] = rerope.one_cell(
+            context, key(cell), task, model_args, depth=depth, first_tokens=first_tokens
         )
         if not context.quick:
             report(results, context.out)  # the tables as they stand, after each cell

@@ -15,7 +15,6 @@ and 50%, which prompts v2 left unchanged) and ``depth100.json`` (depth 100% on v
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
@@ -102,20 +101,10 @@ def run(context: Context) -> str:
     while todo:
         cell = todo[0]
         label, task, depth, seed = cell
-        if task == GENESIS:
-            metadata = {"pretrained": path, "first_tokens": 1024 if context.quick else DOCUMENT_TOKENS}
-        else:
-            metadata = {"pretrained": path, "per_cell": 1, "seed": seed, "depths": [depth]}
-        results[cell] = context.cells.get(
-            key(cell) + ("/quick" if context.quick else ""),
-            functools.partial(
-                rerope.in_fresh_process,
-                task,
-                {**common, **methods()[label]},
-                metadata,
-                1 if task == GENESIS else None,  # Genesis: the task's first document
-                torch.get_num_threads(),
-            ),
+        first_tokens = (1024 if context.quick else DOCUMENT_TOKENS) if task == GENESIS else None
+        model_args = {**common, **methods()[label]}
+        results[cell] = rerope.one_cell(
+            context, key(cell), task, model_args, depth=depth, seed=seed, first_tokens=first_tokens
         )
         if context.quick:
             break

@@ -80,6 +80,29 @@ def in_fresh_process(*args) -> dict:
         return pool.submit(measured, *args).result()
 
 
+def one_cell(
+    context: Context,
+    key: str,
+    task: str,
+    model_args: dict,
+    *,
+    depth: float = 1.0,
+    seed: int = 0,
+    first_tokens: int | None = None,
+) -> dict:
+    """One kept cell in a fresh process: the prompt of ``task`` at ``depth`` on ``seed``, or with ``first_tokens``
+    the task's first document cut there (sections 10b, 11 and 12)."""
+    path = model_args["pretrained"]
+    if first_tokens is None:
+        metadata, limit = {"pretrained": path, "per_cell": 1, "seed": seed, "depths": [depth]}, None
+    else:
+        metadata, limit = {"pretrained": path, "first_tokens": first_tokens}, 1
+    return context.cells.get(
+        key + ("/quick" if context.quick else ""),
+        functools.partial(in_fresh_process, task, model_args, metadata, limit, torch.get_num_threads()),
+    )
+
+
 def run(context: Context) -> str:
     """Every (method, task, seed) cell, kept as it is computed; the tables and the figure from what is there."""
     path = str(hfa.fetch(MODEL))
