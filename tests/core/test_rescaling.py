@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 import hf_attnscale as hfa
 from hf_attnscale.core.compat import nested_rope_keys
 from hf_attnscale.core.install.families import attention_modules
+from hf_attnscale.core.install.rescaling import KEPT
 
 TRAINED = 16
 RESCALINGS = {
@@ -250,7 +251,7 @@ def _built_with(plain: torch.nn.Module, given: dict, attn: str) -> torch.nn.Modu
     config = copy.deepcopy(plain.config)
     text = config.get_text_config()
     own = copy.deepcopy(text.rope_parameters)
-    kept = lambda params: {k: v for k, v in params.items() if k in ("rope_theta", "partial_rotary_factor")}  # noqa: E731
+    kept = lambda params: {k: v for k, v in params.items() if k in KEPT}  # noqa: E731
     if nested_rope_keys(text, own):
         text.rope_parameters = {
             kind: {**kept(own[kind]), **given[kind]} if kind in given else own[kind] for kind in own
