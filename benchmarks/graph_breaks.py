@@ -1,5 +1,5 @@
-"""Graph breaks of one decoding step on the real SmolLM2 (`torch._dynamo.explain`), unpatched, under ReRoPE + logn
-and under a SinkCache: `python benchmarks/graph_breaks.py` (fetches the checkpoint on first use)."""
+"""Graph breaks of one decoding step on the real SmolLM2 (`torch._dynamo.explain`), unpatched, under ReRoPE,
+Self-Extend and DCA (each + logn) and under a SinkCache: `python benchmarks/graph_breaks.py` (fetches the checkpoint on first use)."""
 
 import torch
 import transformers
@@ -27,6 +27,14 @@ rows = {
     "unpatched, DynamicCache": (None, lambda m: transformers.DynamicCache(config=m.config)),
     "ReRoPE w128 + logn, DynamicCache": (
         dict(rerope_window=128, scale="logn", train_length=8192),
+        lambda m: transformers.DynamicCache(config=m.config),
+    ),
+    "Self-Extend G4 w128 + logn, DynamicCache": (  # 300 tokens: the far, grouped keys are reached
+        dict(self_extend_group=4, self_extend_window=128, scale="logn", train_length=8192),
+        lambda m: transformers.DynamicCache(config=m.config),
+    ),
+    "DCA s160 l32 + logn, DynamicCache": (  # chunks of 128: the step meets its own, the previous and older ones
+        dict(dual_chunk_size=160, dual_chunk_local=32, scale="logn", train_length=8192),
         lambda m: transformers.DynamicCache(config=m.config),
     ),
     "logn + zero_kv, SinkCache(4, 252)": (
