@@ -141,15 +141,16 @@ def test_decoding_with_yarns_attention_scaling_and_no_mask(option):
     "option, made",
     [
         ("rerope", [(1, WINDOW + 1)]),  # the prefill's own cos/sin, then the window's table
-        # the prefill's far queries' and keys' in each of 2 layers, then the window's, then the far keys' three
-        # times: 3 far keys at the first step (of 9), twice as many when they outgrow the table
-        ("leaky", [(1, 6)] * 4 + [(1, WINDOW + 1), (1, 3), (1, 6), (1, 12)]),
+        # the prefill's store of its keys (at j/k), then in each of 2 layers the turns from there of the near
+        # queries, the far queries and the near keys; at each of the 9 steps, once for every layer, the new
+        # token's store, the query's turn and the window's keys': the far keys stay as stored
+        ("leaky", [(1, 6)] * 7 + [(1, 1), (1, 1), (1, WINDOW)] * 9),
     ],
 )
 def test_the_steps_cos_sin_are_computed_once_and_follow_the_rotary(monkeypatch, option, made):
-    """Every layer of every decoding step turns the query and the near keys by the same distances, so their
-    cos/sin are computed once for a whole generate(); leaky ReRoPE's far keys, one more at each step, from a
-    table made anew only when they outgrow it. Changed in place, or gone with their model, the rotary's
+    """Every layer of every decoding step turns the query and the near keys by the same distances: ReRoPE's
+    cos/sin are computed once for a whole generate(), leaky ReRoPE's once a step (its keys are stored at j/k,
+    so the far ones never turn). Changed in place, or gone with their model, the rotary's
     frequencies are read again (each time against the reference)."""
     tables = []
     original = rope.RotaryFrequencies.cos_sin
@@ -168,7 +169,7 @@ def test_the_steps_cos_sin_are_computed_once_and_follow_the_rotary(monkeypatch, 
         with torch.no_grad():
             whole = reference(input_ids=out.sequences).logits
         torch.testing.assert_close(torch.stack(out.logits, 1), whole[:, 5:-1], atol=1e-4, rtol=1e-4)
-    assert frequencies in rope._TABLES
+    assert (frequencies in rope._TABLES) == (option == "rerope")  # leaky ReRoPE's steps keep no table
     del model, out
     gc.collect()
     assert frequencies not in rope._TABLES

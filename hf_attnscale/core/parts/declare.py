@@ -106,9 +106,11 @@ class Method(NamedTuple):
 
     @property
     def by_distance(self) -> bool:
-        """Whether every score depends on i − j alone, and the keys are stored raw: then positions are counted in
-        the cache."""
-        return self.store == RAW and all(part.by_distance for part in self.parts)
+        """Whether every score depends on i − j alone, and the keys are stored raw or at positions that move by one
+        speed (so that a row's, or a packed sequence's, offset cancels): then positions are counted in the
+        cache."""
+        moving = self.store == RAW or (self.store.moves and self.store.shift == 0)
+        return moving and all(part.by_distance for part in self.parts)
 
     @property
     def span(self) -> int:
@@ -124,7 +126,7 @@ def rerope(window: int, leak: float | None = None) -> Method:
     if leak is None:
         return Method("ReRoPE", "rerope_window", (near, Part(window, None, At(fixed=window), At(fixed=0))))
     far = Part(window, None, At(shift=window * (leak - 1), slower=leak), At(slower=leak))
-    return Method("leaky ReRoPE", "rerope_window", (near, far))
+    return Method("leaky ReRoPE", "rerope_window", (near, far), store=far.key)
 
 
 def self_extend(group: int, window: int) -> Method:

@@ -15,11 +15,12 @@ runs over every part (with the exit, where there is one):
   mask), and only the keys at either side, at most a chunk wide, are masked; DCA's chunks stay within its cells.
   Else one masked block a part.
 * one query (a decoding step): one backend call at the model's width, on the keys in their order, each turned
-  relative to the query. Where every part depends on the distance alone (ReRoPE, leaky ReRoPE), the query is
-  turned to the largest lower bound of a part (the window) and each key by its distance from there, from tables
-  kept across layers and steps (`RotaryFrequencies.at_distances`), the keys a part holds fixed not at all; else
-  the query is turned to where the unbounded part places it, and only the keys of the other parts turn (those
-  of the unbounded part sit where the store keeps them), by cos/sin that depend on the step's positions alone:
+  relative to the query. Where every part depends on the distance alone and the keys are stored raw (ReRoPE),
+  the query is turned to the largest lower bound of a part (the window) and each key by its distance from there,
+  from tables kept across layers and steps (`RotaryFrequencies.at_distances`), the keys a part holds fixed not
+  at all; else the query is turned to where the unbounded part places it, and only the keys of the other parts
+  turn (those of the unbounded part sit where the store keeps them: leaky ReRoPE's at j/k, Self-Extend's at
+  ⌊j/G⌋, DCA's at j mod c), by cos/sin that depend on the step's positions alone:
   made by the first layer of the forward and read by the others (`shared_by_layers`), as are the cos/sin at the
   store of the call's new tokens (`at_store`).
 
@@ -199,10 +200,10 @@ class PartsCall:
         """One query at the cache's last place i, one call at the model's width, on the keys in their order."""
         k_len, device = key.shape[2], query.device
         i = k_len - 1
-        if self.method.by_distance:
+        if self.method.store == RAW and self.method.by_distance:
             query, keys = self._turn_by_distance(query, key)
-        else:
-            query, keys = self._turn_from_store(query, key, position_ids)
+        else:  # a method of distances counts them in the cache: no row's offset
+            query, keys = self._turn_from_store(query, key, None if self.method.by_distance else position_ids)
         shown = None  # no mask where the model passed none: the backend takes grouped heads as they are
         if mask is not None or sliding_window:
             at_i = torch.arange(i, k_len, device=device)[:, None]
