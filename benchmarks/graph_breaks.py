@@ -1,5 +1,5 @@
 """Graph breaks of one decoding step on the real SmolLM2 (`torch._dynamo.explain`), unpatched, under ReRoPE,
-Self-Extend and DCA (each + logn) and under a SinkCache: `python benchmarks/graph_breaks.py` (fetches the checkpoint on first use)."""
+leaky ReRoPE, Self-Extend and DCA (each + logn) and under a SinkCache: `python benchmarks/graph_breaks.py` (fetches the checkpoint on first use)."""
 
 import torch
 import transformers
@@ -27,6 +27,10 @@ rows = {
     "unpatched, DynamicCache": (None, lambda m: transformers.DynamicCache(config=m.config)),
     "ReRoPE w128 + logn, DynamicCache": (
         dict(rerope_window=128, scale="logn", train_length=8192),
+        lambda m: transformers.DynamicCache(config=m.config),
+    ),
+    "leaky ReRoPE w128 k16 + logn, DynamicCache": (
+        dict(rerope_window=128, rerope_leak=16, scale="logn", train_length=8192),
         lambda m: transformers.DynamicCache(config=m.config),
     ),
     "Self-Extend G4 w128 + logn, DynamicCache": (  # 300 tokens: the far, grouped keys are reached

@@ -525,14 +525,15 @@ def test_unpatch_restores_the_model():
         assert torch.equal(model(**inputs).logits, plain(**inputs).logits)
 
 
-@pytest.mark.parametrize("flex", [False, True])
-def test_torch_compile_takes_rerope_whole(monkeypatch, flex):
-    """No graph break in a ReRoPE forward or decoding step (torch._dynamo.explain counts them); where CUDA's flex
-    bands would serve (``flex``, here on the CPU), a model compiled whole takes the chunks instead."""
+@pytest.mark.parametrize("option, flex", [("rerope+logn", False), ("rerope+logn", True), ("leaky", False)])
+def test_torch_compile_takes_rerope_whole(monkeypatch, option, flex):
+    """No graph break in a ReRoPE forward or decoding step (torch._dynamo.explain counts them; leaky ReRoPE's step
+    turns from its store); where CUDA's flex bands would serve (``flex``, here on the CPU), a model compiled whole
+    takes the chunks instead."""
     from transformers import DynamicCache
 
     calls = watch_flex_bands(monkeypatch) if flex else []
-    model = hfa.patch(sharp_model("llama"), **OPTIONS["rerope+logn"])
+    model = hfa.patch(sharp_model("llama"), **OPTIONS[option])
     ids = sharp_inputs(batch=1, padded=False)["input_ids"]
     torch._dynamo.reset()
     torch._dynamo.utils.warn_once_cache.clear()  # dynamo warns once per message and process
