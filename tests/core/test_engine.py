@@ -287,6 +287,42 @@ def test_a_decoding_step_makes_its_cos_sin_once_not_in_every_layer(method, monke
     assert per_step[4] == per_step[1] > 0, per_step
 
 
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_decoding_with_the_other_options_equals_the_reference(option):
+    """Each method with other options on top, decoding a left-padded batch under sdpa (DCA's steps by the
+    definition, with the exit's column, the scale law's queries and the gate): each step's logits are the
+    reference's whole sequence's at that step."""
+    patched, reference = patched_beside_reference(sharp_model("llama", "sdpa"), OPTIONS[option])
+    inputs = sharp_inputs(length=6)
+    out = patched.generate(**inputs, max_new_tokens=12, **GREEDY)
+    mask = torch.cat([inputs["attention_mask"], torch.ones(2, 12, dtype=torch.long)], dim=1)
+    whole = {"input_ids": out.sequences, "attention_mask": mask, "position_ids": _generate_positions(mask)}
+    with torch.no_grad():
+        want = reference(**whole).logits
+    torch.testing.assert_close(torch.stack(out.logits, 1), want[:, 5:-1], atol=1e-4, rtol=1e-4)
+
+
+def test_a_dca_step_turns_no_key_and_copies_none(monkeypatch):
+    """Under sdpa, DCA's decoding step meets each part's slice of the cache where it lies, the query turned to
+    the part's place (`PartsCall._decode_in_parts`): every key it scores is a view of the cache's own, in each
+    layer all three parts (its steps equal the whole forward: the generate() tests above)."""
+    scored = []
+    plain = key_parts.plain_parts
+    monkeypatch.setattr(
+        key_parts, "plain_parts", lambda parts, *rest: scored.extend(p.key for p in parts) or plain(parts, *rest)
+    )
+    model = hfa.patch(sharp_model("llama"), **DCA)
+    ids = sharp_inputs(batch=1, padded=False)["input_ids"]
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :14], past_key_values=cache)  # chunks of 4: the 15th token's step meets 3 of them
+        scored.clear()
+        model(ids[:, 14:15], past_key_values=cache)
+    stored = {layer.keys.untyped_storage().data_ptr() for layer in cache.layers}
+    assert len(scored) == 3 * model.config.num_hidden_layers
+    assert all(key.untyped_storage().data_ptr() in stored for key in scored)
+
+
 @pytest.mark.parametrize("attn", FORWARD_ATTNS, indirect=True)
 @pytest.mark.parametrize("method", list(METHODS))
 def test_chunks_onto_the_models_cache_equal_the_whole_forward(method, attn):

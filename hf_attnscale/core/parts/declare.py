@@ -113,6 +113,12 @@ class Method(NamedTuple):
         return moving and all(part.by_distance for part in self.parts)
 
     @property
+    def keeps_keys(self) -> bool:
+        """Whether every part scores its keys where the store keeps them (DCA): its parts differ only in where they
+        place the query."""
+        return self.store != RAW and all(part.key == self.store for part in self.parts)
+
+    @property
     def span(self) -> int:
         """The least positive boundary between parts, in positions: a query chunk's natural length (1,024 where
         the parts have none)."""

@@ -20,9 +20,12 @@ runs over every part (with the exit, where there is one):
   from tables kept across layers and steps (`RotaryFrequencies.at_distances`), the keys a part holds fixed not
   at all; else the query is turned to where the unbounded part places it, and only the keys of the other parts
   turn (those of the unbounded part sit where the store keeps them: leaky ReRoPE's at j/k, Self-Extend's at
-  ⌊j/G⌋, DCA's at j mod c), by cos/sin that depend on the step's positions alone:
+  ⌊j/G⌋), by cos/sin that depend on the step's positions alone:
   made by the first layer of the forward and read by the others (`shared_by_layers`), as are the cos/sin at the
-  store of the call's new tokens (`at_store`).
+  store of the call's new tokens (`at_store`). A method whose every part keeps its keys as stored (DCA) turns
+  no key: under sdpa, with nothing the definition lacks, each part's query meets the slice of the cache the part
+  can reach, masked to its keys, under one softmax by the definition (`key_parts.plain_parts`: one query, so a
+  row of scores per head, and no key copied).
 
 Positions: a method whose scores depend on the distance alone counts it in the cache, so a row's distances are
 those of its tokens whenever its positions run on by one (`check_positions`). Others place queries and keys at
@@ -200,15 +203,41 @@ class PartsCall:
         """One query at the cache's last place i, one call at the model's width, on the keys in their order."""
         k_len, device = key.shape[2], query.device
         i = k_len - 1
-        if self.method.store == RAW and self.method.by_distance:
-            query, keys = self._turn_by_distance(query, key)
-        else:  # a method of distances counts them in the cache: no row's offset
-            query, keys = self._turn_from_store(query, key, None if self.method.by_distance else position_ids)
         shown = None  # no mask where the model passed none: the backend takes grouped heads as they are
         if mask is not None or sliding_window:
             at_i = torch.arange(i, k_len, device=device)[:, None]
             shown = _visible(mask, 0, 1, k_len, at_i, sliding_window, device)
+        if self.method.keeps_keys and run.fusable:
+            return self._decode_in_parts(run, query, key, value, shown, position_ids)
+        if self.method.store == RAW and self.method.by_distance:
+            query, keys = self._turn_by_distance(query, key)
+        else:  # a method of distances counts them in the cache: no row's offset
+            query, keys = self._turn_from_store(query, key, None if self.method.by_distance else position_ids)
         return key_parts.attention(run, [KeyPart(query, keys, value, shown)])
+
+    def _decode_in_parts(self, run, query, key, value, shown, position_ids) -> torch.Tensor:
+        """A step of a method whose parts all keep their keys as stored (DCA), where the backend adds nothing to
+        the definition: the query turned to each part's place meets the slice of the cache that part can reach
+        whatever the row's offset (`_reached`), masked to the keys the row's positions put in it, and one softmax
+        runs over every part (`key_parts.plain_parts`, a row per query head): no key turns, none is copied. The
+        slices, turns and masks depend on the step's positions alone (`shared_by_layers`)."""
+        frequencies, k_len = self.frequencies, key.shape[2]
+        steps = shared_by_layers(
+            self.layer,
+            ("in parts", self.method, k_len, query.dtype, query.device, frequencies.scaling),
+            (position_ids, frequencies.inv_freq),
+            lambda: _parts_at_step(self.method, frequencies, k_len, position_ids, query.dtype, query.device),
+        )
+        parts = [
+            KeyPart(
+                self.rope(query, *turn),
+                key[:, :, begin:end],
+                value[:, :, begin:end],
+                covered if shown is None else covered & shown[..., begin:end],
+            )
+            for begin, end, turn, covered in steps
+        ]
+        return key_parts.plain_parts(parts, run.exit_logits, run.scaling)
 
     def _turn_by_distance(self, query, key) -> tuple[torch.Tensor, torch.Tensor]:
         """A method of distances alone: the query turned to r (the largest lower bound of a part, so that a part
@@ -307,6 +336,28 @@ def _turns_from_store(
         cos = torch.where(covered, turned[0], 1.0 if cos is None else cos)
         sin = torch.where(covered, turned[1], 0.0 if sin is None else sin)
     return start, turn_query, None if cos is None else (cos, sin)
+
+
+def _parts_at_step(
+    method: Method, frequencies: RotaryFrequencies, k_len: int, position_ids, dtype, device
+) -> list[tuple[int, int, CosSin, torch.Tensor]]:
+    """`PartsCall._decode_in_parts`'s parts at a step of ``k_len`` keys: for each part that reaches a key, the
+    slice ``begin, end`` of the cache it can reach, the query's turn from the store to the part's place, and
+    which keys of the slice the row's positions put in the part ``(B|1, 1, 1, n)``."""
+    store, last = method.store, k_len - 1
+    shift = _shift(position_ids, last)
+    i = torch.full((1, 1), last, device=device) if shift is None else (last - shift)[:, None]
+    steps = []
+    for part in method.parts:
+        begin, end = _reached(part, last, last)
+        if end <= begin:
+            continue
+        j = torch.arange(begin, end, device=device)[None]
+        if shift is not None:
+            j = j - shift[:, None]
+        turn = frequencies.cos_sin(part.query.angle(i) - store.angle(i), dtype, scaled=False)
+        steps.append((begin, end, turn, part.covers(i, j)[:, None, None]))
+    return steps
 
 
 def at_store(

@@ -229,19 +229,33 @@ def fused_parts(
 def plain_parts(
     parts: Sequence[KeyPart], exit_logits: torch.Tensor | None, scaling: float | None
 ) -> torch.Tensor:
-    """The definition, in the inputs' dtype: every part's scores, the exit's column, one softmax, ``(B, c, H, Dv)``."""
-    heads = parts[0].query.shape[1]
+    """The definition, in the inputs' dtype (the softmax in float32 at least): every part's scores, the exit's
+    column, one softmax, ``(B, c, H, Dv)``. Each group of query heads that shares a key head meets it as rows of
+    one product, so no key or value is copied (a decoding step's parts are slices of the cache)."""
+    batch, heads, rows = parts[0].query.shape[:3]
+    groups = heads // parts[0].key.shape[1]
     scale = softmax_scale(parts[0].query, scaling)
-    scores, values = [], []
-    for part in parts:
-        key = repeat_kv(part.key, heads // part.key.shape[1])
-        score = part.query @ key.transpose(-1, -2) * scale
-        scores.append(score if part.visible is None else score.masked_fill(~part.visible, -math.inf))
-        values.append(repeat_kv(part.value, heads // part.value.shape[1]))
+    scores = []
+    for query, key, _, visible in parts:
+        grouped = query.unflatten(1, (-1, groups))  # (B, Hkv, G, c, D)
+        score = grouped @ key.unsqueeze(2).transpose(-1, -2) * scale
+        if visible is not None:  # as (B|1, H|1, c, n), its heads grouped as the queries are
+            visible = visible.reshape((1,) * (4 - visible.dim()) + visible.shape)
+            visible = visible.unflatten(1, (-1, groups)) if visible.shape[1] > 1 else visible.unsqueeze(2)
+            score = score.masked_fill(~visible, -math.inf)
+        scores.append(score)
     if exit_logits is not None:
-        scores.append(exit_logits.to(scores[0].dtype).view(1, -1, 1, 1).expand(*scores[0].shape[:-1], 1))
-    weights = torch.softmax(torch.cat(scores, dim=-1), dim=-1)[..., : sum(v.shape[2] for v in values)]
-    return (weights @ torch.cat(values, dim=2)).transpose(1, 2)
+        exit_column = exit_logits.to(scores[0].dtype).view(1, -1, groups, 1, 1)
+        scores.append(exit_column.expand(*scores[0].shape[:-1], 1))
+    weights = torch.softmax(
+        torch.cat(scores, dim=-1), dim=-1, dtype=torch.promote_types(scores[0].dtype, torch.float32)
+    ).to(scores[0].dtype)
+    out, start = 0, 0
+    for part in parts:
+        count = part.key.shape[2]
+        out = out + weights[..., start : start + count] @ part.value.unsqueeze(2)
+        start += count
+    return out.flatten(1, 2).transpose(1, 2)
 
 
 def _check(combination: Combination, scaling: float | None) -> str | None:
