@@ -309,7 +309,9 @@ def test_a_dca_step_turns_no_key_and_copies_none(monkeypatch):
     scored = []
     plain = key_parts.plain_parts
     monkeypatch.setattr(
-        key_parts, "plain_parts", lambda parts, *rest: scored.extend(p.key for p in parts) or plain(parts, *rest)
+        key_parts,
+        "plain_parts",
+        lambda parts, *rest: scored.extend(p.key for p in parts) or plain(parts, *rest),
     )
     model = hfa.patch(sharp_model("llama"), **DCA)
     ids = sharp_inputs(batch=1, padded=False)["input_ids"]

@@ -232,8 +232,7 @@ def plain_parts(
     """The definition, in the inputs' dtype (the softmax in float32 at least): every part's scores, the exit's
     column, one softmax, ``(B, c, H, Dv)``. Each group of query heads that shares a key head meets it as rows of
     one product, so no key or value is copied (a decoding step's parts are slices of the cache)."""
-    batch, heads, rows = parts[0].query.shape[:3]
-    groups = heads // parts[0].key.shape[1]
+    groups = parts[0].query.shape[1] // parts[0].key.shape[1]
     scale = softmax_scale(parts[0].query, scaling)
     scores = []
     for query, key, _, visible in parts:
