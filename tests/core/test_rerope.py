@@ -141,10 +141,10 @@ def test_decoding_with_yarns_attention_scaling_and_no_mask(option):
     "option, made",
     [
         ("rerope", [(1, WINDOW + 1)]),  # the prefill's own cos/sin, then the window's table
-        # the prefill's store of its keys (at j/k), then in each of 2 layers the turns from there of the near
-        # queries, the far queries and the near keys; at each of the 9 steps, once for every layer, the new
-        # token's store, the query's turn and the window's keys': the far keys stay as stored
-        ("leaky", [(1, 6)] * 7 + [(1, 1), (1, 1), (1, WINDOW)] * 9),
+        # the prefill's store of its keys (at j/k), then the turns from there of the near queries and keys (one)
+        # and of the far queries; at each of the 9 steps the new token's store, the query's turn and the
+        # window's keys': the far keys stay as stored. Each once for both layers
+        ("leaky", [(1, 6)] * 3 + [(1, 1), (1, 1), (1, WINDOW)] * 9),
     ],
 )
 def test_the_steps_cos_sin_are_computed_once_and_follow_the_rotary(monkeypatch, option, made):

@@ -127,7 +127,7 @@ class PartsCall:
         lowest = [
             0 if flex or part.hi is None else max(0, past - part.hi * part.unit + 1) for part in method.parts
         ]
-        turned = _Turned(self, query, key, past, shift)
+        turned = _Turned(self, query, key, past, shift, position_ids)
         queries = [turned.queries(part.query) for part in method.parts]
         keys = [
             turned.keys(
@@ -424,10 +424,12 @@ def shared_by_layers(layer: int | None, static: tuple, tensors: tuple, make: Cal
 
 
 class _Turned:
-    """A call's queries and keys rotated at each `At` its parts name, each once."""
+    """A call's queries and keys rotated at each `At` its parts name, each once; the cos/sin of each turn made by
+    the forward's first layer and read by the others (`shared_by_layers`: they depend on the places alone)."""
 
-    def __init__(self, call: PartsCall, query: torch.Tensor, key: torch.Tensor, past: int, shift) -> None:
+    def __init__(self, call: PartsCall, query, key, past: int, shift, position_ids) -> None:
         self.call, self.query, self.key, self.past, self.shift = call, query, key, past, shift
+        self.position_ids = None if shift is None else position_ids  # what the places depend on
         self.done: dict = {}
 
     def queries(self, at: At) -> torch.Tensor:
@@ -456,14 +458,13 @@ class _Turned:
             return self.call.rope(x, *self._cos_sin(at, begin, end))
         if at == store:
             return x
-        places = self._places(begin, end)
-        turn = at.angle(places) - store.angle(places)
-        return self.call.rope(x, *self.call.frequencies.cos_sin(turn, x.dtype, scaled=False))
-
-    def _places(self, begin: int, end: int) -> torch.Tensor:
-        """The model's positions of the cache's places ``begin .. end - 1``, ``(B|1, n)``."""
-        places = torch.arange(begin, end, device=self.query.device)[None]
-        return places if self.shift is None else places - self.shift[:, None]
+        cos_sin = self._shared(
+            ("from store", at, begin, end),
+            lambda places: self.call.frequencies.cos_sin(
+                at.angle(places) - store.angle(places), x.dtype, scaled=False
+            ),
+        )
+        return self.call.rope(x, *cos_sin)
 
     def _cos_sin(self, at: At, begin: int, end: int) -> CosSin:
         """cos/sin at ``at`` of the cache's places ``begin .. end - 1``."""
@@ -474,7 +475,25 @@ class _Turned:
             )
         if at == MOVING and self.past == 0 and begin == 0:
             return self.call.own  # the model's own, at its positions (every place here is a new token)
-        return frequencies.cos_sin(at.value(self._places(begin, end)), dtype, at.slower)
+        return self._shared(
+            ("at", at, begin, end), lambda places: frequencies.cos_sin(at.value(places), dtype, at.slower)
+        )
+
+    def _shared(self, what: tuple, make: Callable[[torch.Tensor], CosSin]) -> CosSin:
+        """``make(places)`` at the places ``what`` names, the model's positions of the cache's ``begin .. end - 1``
+        ``(B|1, n)``, made once in a forward (`shared_by_layers`)."""
+        if what not in self.done:  # the queries' and the keys' turn to the same places: one
+            call, query = self.call, self.query
+            *_, begin, end = what
+            static = (*what, call.method, self.past, query.dtype, query.device, call.frequencies.scaling)
+
+            def made() -> CosSin:
+                places = torch.arange(begin, end, device=query.device)[None]
+                return make(places if self.shift is None else places - self.shift[:, None])
+
+            tensors = (self.position_ids, call.frequencies.inv_freq)
+            self.done[what] = shared_by_layers(call.layer, static, tensors, made)
+        return self.done[what]
 
 
 def _offset(shift: torch.Tensor | None, method: Method) -> int | None:

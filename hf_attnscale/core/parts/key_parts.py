@@ -230,21 +230,23 @@ def plain_parts(
     parts: Sequence[KeyPart], exit_logits: torch.Tensor | None, scaling: float | None
 ) -> torch.Tensor:
     """The definition, in the inputs' dtype (the softmax in float32 at least): every part's scores, the exit's
-    column, one softmax, ``(B, c, H, Dv)``. Each group of query heads that shares a key head meets it as rows of
-    one product, so no key or value is copied (a decoding step's parts are slices of the cache)."""
-    groups = parts[0].query.shape[1] // parts[0].key.shape[1]
+    column, one softmax, ``(B, c, H, Dv)``. The query heads that share a key head meet it as rows of one product
+    ``(B, Hkv, G·c, ·)``, so no key or value is copied (a decoding step's parts are slices of the cache)."""
+    batch, heads, rows = parts[0].query.shape[:3]
+    kv_heads = parts[0].key.shape[1]
+    groups = heads // kv_heads
     scale = softmax_scale(parts[0].query, scaling)
     scores = []
     for query, key, _, visible in parts:
-        grouped = query.unflatten(1, (-1, groups))  # (B, Hkv, G, c, D)
-        score = grouped @ key.unsqueeze(2).transpose(-1, -2) * scale
-        if visible is not None:  # as (B|1, H|1, c, n), its heads grouped as the queries are
+        score = query.reshape(batch, kv_heads, groups * rows, -1) @ key.transpose(-1, -2) * scale
+        if visible is not None:  # as (B|1, H|1, c, n), then its rows as the queries' (B|1, Hkv|1, G·c, n)
             visible = visible.reshape((1,) * (4 - visible.dim()) + visible.shape)
-            visible = visible.unflatten(1, (-1, groups)) if visible.shape[1] > 1 else visible.unsqueeze(2)
-            score = score.masked_fill(~visible, -math.inf)
+            shape = (visible.shape[0], kv_heads if visible.shape[1] > 1 else 1, groups, rows, visible.shape[-1])
+            visible = visible.unsqueeze(2).reshape(*shape[:2], -1, rows, shape[-1]).expand(shape)
+            score = score.masked_fill(~visible.flatten(2, 3), -math.inf)
         scores.append(score)
     if exit_logits is not None:
-        exit_column = exit_logits.to(scores[0].dtype).view(1, -1, groups, 1, 1)
+        exit_column = exit_logits.to(scores[0].dtype).view(1, kv_heads, groups, 1).repeat_interleave(rows, 2)
         scores.append(exit_column.expand(*scores[0].shape[:-1], 1))
     weights = torch.softmax(
         torch.cat(scores, dim=-1), dim=-1, dtype=torch.promote_types(scores[0].dtype, torch.float32)
@@ -252,9 +254,9 @@ def plain_parts(
     out, start = 0, 0
     for part in parts:
         count = part.key.shape[2]
-        out = out + weights[..., start : start + count] @ part.value.unsqueeze(2)
+        out = out + weights[..., start : start + count] @ part.value
         start += count
-    return out.flatten(1, 2).transpose(1, 2)
+    return out.view(batch, heads, rows, -1).transpose(1, 2)
 
 
 def _check(combination: Combination, scaling: float | None) -> str | None:
