@@ -2,8 +2,9 @@
 
 The patched module's forward rotates its queries and keys at the method's store in place of the model's
 positions (`hf_attnscale.core.install.routing`; ReRoPE's store is RAW: the identity), so the model's cache keeps
-each key there. Each part turns them from there to its own positions and scores the pairs it covers; one softmax
-runs over every part (with the exit, where there is one):
+each key there. Each part turns them from there to its own positions (by cos/sin of the places alone, which
+the forward's first layer makes and its later layers read: `shared_by_layers`) and scores the pairs it covers;
+one softmax runs over every part (with the exit, where there is one):
 
 * several queries (a prefill, or a chunk onto the cache): on CUDA under sdpa, with nothing flex lacks, each part
   is one compiled flex call over the whole sequence (`hf_attnscale.core.parts.flex_parts`); else the queries go in
