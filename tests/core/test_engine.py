@@ -303,15 +303,15 @@ def test_decoding_with_the_other_options_equals_the_reference(option):
 
 
 def test_a_dca_step_turns_no_key_and_copies_none(monkeypatch):
-    """Under sdpa, DCA's decoding step meets each part's slice of the cache where it lies, the query turned to
-    the part's place (`PartsCall._decode_in_parts`): every key it scores is a view of the cache's own, in each
-    layer all three parts (its steps equal the whole forward: the generate() tests above)."""
+    """Under sdpa, DCA's decoding step scores the cache's keys where they lie, each by the query turned to its
+    own part's place (`PartsCall._decode_in_parts`): the keys it reads are the cache's own tensor, and each
+    layer's step meets all three parts (its steps equal the whole forward: the generate() tests above)."""
     scored = []
-    plain = key_parts.plain_parts
+    by_key = key_parts.rows_by_key
     monkeypatch.setattr(
         key_parts,
-        "plain_parts",
-        lambda parts, *rest: scored.extend(p.key for p in parts) or plain(parts, *rest),
+        "rows_by_key",
+        lambda rows, part_of, key, *rest: scored.append((part_of, key)) or by_key(rows, part_of, key, *rest),
     )
     model = hfa.patch(sharp_model("llama"), **DCA)
     ids = sharp_inputs(batch=1, padded=False)["input_ids"]
@@ -320,9 +320,11 @@ def test_a_dca_step_turns_no_key_and_copies_none(monkeypatch):
         model(ids[:, :14], past_key_values=cache)  # chunks of 4: the 15th token's step meets 3 of them
         scored.clear()
         model(ids[:, 14:15], past_key_values=cache)
-    stored = {layer.keys.untyped_storage().data_ptr() for layer in cache.layers}
-    assert len(scored) == 3 * model.config.num_hidden_layers
-    assert all(key.untyped_storage().data_ptr() in stored for key in scored)
+    assert [key is layer.keys for (_, key), layer in zip(scored, cache.layers, strict=True)] == [True] * len(
+        cache.layers
+    )
+    # keys 0-7 two chunks back or more, 8-11 in the last chunk, 12-14 in the query's own
+    assert all(part_of.tolist() == [[2] * 8 + [1] * 4 + [0] * 3] for part_of, _ in scored)
 
 
 @pytest.mark.parametrize("attn", FORWARD_ATTNS, indirect=True)

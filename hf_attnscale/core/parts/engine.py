@@ -24,9 +24,9 @@ one softmax runs over every part (with the exit, where there is one):
   ⌊j/G⌋), by cos/sin that depend on the step's positions alone:
   made by the first layer of the forward and read by the others (`shared_by_layers`), as are the cos/sin at the
   store of the call's new tokens (`at_store`). A method whose every part keeps its keys as stored (DCA) turns
-  no key: under sdpa, with nothing the definition lacks, each part's query meets the slice of the cache the part
-  can reach, masked to its keys, under one softmax by the definition (`key_parts.plain_parts`: one query, so a
-  row of scores per head, and no key copied).
+  no key: under sdpa, with nothing the definition lacks, the query is turned to each part's place, and every key
+  scored by its own part's turn, under one softmax by the definition (`key_parts.rows_by_key`: the keys read once,
+  none copied).
 
 Positions: a method whose scores depend on the distance alone counts it in the cache, so a row's distances are
 those of its tokens whenever its positions run on by one (`check_positions`). Others place queries and keys at
@@ -218,27 +218,18 @@ class PartsCall:
 
     def _decode_in_parts(self, run, query, key, value, shown, position_ids) -> torch.Tensor:
         """A step of a method whose parts all keep their keys as stored (DCA), where the backend adds nothing to
-        the definition: the query turned to each part's place meets the slice of the cache that part can reach
-        whatever the row's offset (`_reached`), masked to the keys the row's positions put in it, and one softmax
-        runs over every part (`key_parts.plain_parts`, a row per query head): no key turns, none is copied. The
-        slices, turns and masks depend on the step's positions alone (`shared_by_layers`)."""
+        the definition: the query turned to each part's place, every key scored by the turn of its own part, one
+        softmax (`key_parts.rows_by_key`): every key read once, none turned or copied. The turns and which part
+        holds each key depend on the step's positions alone (`shared_by_layers`)."""
         frequencies, k_len = self.frequencies, key.shape[2]
-        steps = shared_by_layers(
+        turns, part_of = shared_by_layers(
             self.layer,
-            ("in parts", self.method, k_len, query.dtype, query.device, frequencies.scaling),
+            ("by key", self.method, k_len, query.dtype, query.device, frequencies.scaling),
             (position_ids, frequencies.inv_freq),
-            lambda: _parts_at_step(self.method, frequencies, k_len, position_ids, query.dtype, query.device),
+            lambda: _parts_by_key(self.method, frequencies, k_len, position_ids, query.dtype, query.device),
         )
-        parts = [
-            KeyPart(
-                self.rope(query, *turn),
-                key[:, :, begin:end],
-                value[:, :, begin:end],
-                covered if shown is None else covered & shown[..., begin:end],
-            )
-            for begin, end, turn, covered in steps
-        ]
-        return key_parts.plain_parts(parts, run.exit_logits, run.scaling)
+        rows = self.rope(query.expand(-1, -1, turns[0].shape[-2], -1), *turns)  # (B, H, P, D)
+        return key_parts.rows_by_key(rows, part_of, key, value, shown, run.exit_logits, run.scaling)
 
     def _turn_by_distance(self, query, key) -> tuple[torch.Tensor, torch.Tensor]:
         """A method of distances alone: the query turned to r (the largest lower bound of a part, so that a part
@@ -339,26 +330,21 @@ def _turns_from_store(
     return start, turn_query, None if cos is None else (cos, sin)
 
 
-def _parts_at_step(
+def _parts_by_key(
     method: Method, frequencies: RotaryFrequencies, k_len: int, position_ids, dtype, device
-) -> list[tuple[int, int, CosSin, torch.Tensor]]:
-    """`PartsCall._decode_in_parts`'s parts at a step of ``k_len`` keys: for each part that reaches a key, the
-    slice ``begin, end`` of the cache it can reach, the query's turn from the store to the part's place, and
-    which keys of the slice the row's positions put in the part ``(B|1, 1, 1, n)``."""
+) -> tuple[CosSin, torch.Tensor]:
+    """`PartsCall._decode_in_parts`'s step of ``k_len`` keys: the query's turns from the store to each part's
+    place ``(B|1, P, rotary_dim)``, and which part covers each key ``(B|1, k_len)`` (the parts cover every key
+    once)."""
     store, last = method.store, k_len - 1
     shift = _shift(position_ids, last)
     i = torch.full((1, 1), last, device=device) if shift is None else (last - shift)[:, None]
-    steps = []
-    for part in method.parts:
-        begin, end = _reached(part, last, last)
-        if end <= begin:
-            continue
-        j = torch.arange(begin, end, device=device)[None]
-        if shift is not None:
-            j = j - shift[:, None]
-        turn = frequencies.cos_sin(part.query.angle(i) - store.angle(i), dtype, scaled=False)
-        steps.append((begin, end, turn, part.covers(i, j)[:, None, None]))
-    return steps
+    j = torch.arange(k_len, device=device)[None]
+    if shift is not None:
+        j = j - shift[:, None]
+    turns = [part.query.angle(i) - store.angle(i) for part in method.parts]
+    part_of = sum(index * part.covers(i, j) for index, part in enumerate(method.parts))
+    return frequencies.cos_sin(torch.cat(turns, dim=-1), dtype, scaled=False), part_of
 
 
 def at_store(

@@ -241,7 +241,13 @@ def plain_parts(
         score = query.reshape(batch, kv_heads, groups * rows, -1) @ key.transpose(-1, -2) * scale
         if visible is not None:  # as (B|1, H|1, c, n), then its rows as the queries' (B|1, Hkv|1, G·c, n)
             visible = visible.reshape((1,) * (4 - visible.dim()) + visible.shape)
-            shape = (visible.shape[0], kv_heads if visible.shape[1] > 1 else 1, groups, rows, visible.shape[-1])
+            shape = (
+                visible.shape[0],
+                kv_heads if visible.shape[1] > 1 else 1,
+                groups,
+                rows,
+                visible.shape[-1],
+            )
             visible = visible.unsqueeze(2).reshape(*shape[:2], -1, rows, shape[-1]).expand(shape)
             score = score.masked_fill(~visible.flatten(2, 3), -math.inf)
         scores.append(score)
@@ -257,6 +263,42 @@ def plain_parts(
         out = out + weights[..., start : start + count] @ part.value
         start += count
     return out.view(batch, heads, rows, -1).transpose(1, 2)
+
+
+def rows_by_key(
+    rows: torch.Tensor,
+    part_of: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    visible: torch.Tensor | None,
+    exit_logits: torch.Tensor | None,
+    scaling: float | None,
+) -> torch.Tensor:
+    """One query whose keys each belong to one part, by the definition, ``(B, 1, H, Dv)``: ``rows`` ``(B, H, P, D)``
+    the query as each part places it, ``part_of`` ``(B|1, n)`` the part of each key; each key scored by its
+    part's row (all rows of a key head's queries in one product: the keys read once, none copied), ``visible``
+    ``(B|1, H|1, 1, n)`` or None, the exit's column, one softmax."""
+    batch, heads, count, dim = rows.shape
+    kv_heads, n = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    every = rows.reshape(batch, kv_heads, groups * count, dim) @ key.transpose(-1, -2)
+    index = part_of.view(part_of.shape[0], 1, 1, 1, n).expand(batch, kv_heads, groups, 1, n)
+    scores = every.view(batch, kv_heads, groups, count, n).gather(3, index).squeeze(3) * softmax_scale(
+        rows, scaling
+    )
+    if visible is not None:
+        visible = (
+            visible.view(visible.shape[0], -1, 1, n)
+            if visible.shape[1] == 1
+            else visible.view(-1, kv_heads, groups, n)
+        )
+        scores = scores.masked_fill(~visible, -math.inf)
+    if exit_logits is not None:
+        exit_column = exit_logits.to(scores.dtype).view(1, kv_heads, groups, 1).expand(batch, -1, -1, 1)
+        scores = torch.cat([scores, exit_column], dim=-1)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+    out = weights[..., :n].to(value.dtype) @ value  # (B, Hkv, G, Dv)
+    return out.view(batch, 1, heads, -1)
 
 
 def _check(combination: Combination, scaling: float | None) -> str | None:
