@@ -97,7 +97,7 @@ def perplexity(
         cache: a fresh `SinkCache` for ``method="stream"`` (the default when given). ``SinkCache(0, W)`` is
             the window-only baseline.
         chunk_size: tokens per model call for "stream" and "dense" (1: the token-by-token reference; the
-            results agree to ~1e-6 nats in float32 whatever the chunk size). A model whose RoPE rescales with
+            results agree within a few 1e-6 nats a token in float32 whatever the chunk size). A model whose RoPE rescales with
             the length read (``rope_type`` dynamic NTK or LongRoPE) is read densely in chunks at the
             frequencies of the T - 1 tokens read (the last is only a target), as ``model(ids[:, :-1])`` and
             lm-eval read it (`frequencies_of_length`), not at those of each chunk's end.

@@ -229,7 +229,7 @@ def load_adapter(
 ) -> PeftModel:
     """Load a LoRA adapter saved from a patched model onto ``model``, with the patch it was trained under.
 
-    An unpatched ``model`` is first patched with the adapter's saved config (its sink/SSMax parameters then
+    An unpatched ``model`` is first patched with the adapter's saved config (its exit-logit / SSMax parameters then
     come from the adapter). A ``model`` patched differently from the adapter is refused with ValueError
     (``strict=False``: a warning). A ``PeftModel`` gets ``adapter_name`` added. Other keyword arguments go to
     ``PeftModel.from_pretrained``.

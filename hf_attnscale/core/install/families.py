@@ -118,7 +118,7 @@ def _module_size(module: nn.Module, model_config: Any, names: tuple[str, ...]) -
 
 
 def query_heads(module: nn.Module, model_config: Any) -> int:
-    """The number of query heads of an attention module (the size of its per-head sink / SSMax parameters)."""
+    """The number of query heads of an attention module (the size of its per-head exit-logit / SSMax parameters)."""
     heads = _module_size(module, model_config, HEAD_COUNT_NAMES)
     if heads is None:
         raise ValueError(f"Cannot find the number of attention heads of {type(module).__name__}.")

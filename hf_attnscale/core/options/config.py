@@ -161,7 +161,12 @@ class AttnScaleConfig:
         default="none", metadata=_option("query scale law (default none)", choices=SCALES)
     )
     train_length: int | None = field(
-        default=None, metadata=_option("L, the model's trained length", parse=_length, metavar="N")
+        default=None,
+        metadata=_option(
+            "L, the model's trained length (on the command line: default max_position_embeddings)",
+            parse=_length,
+            metavar="N",
+        ),
     )
     clamp: bool | None = field(default=None, metadata=_option("clamp the scale to >= 1", parse=read_bool))
     zero_kv: bool = field(
@@ -242,7 +247,7 @@ class AttnScaleConfig:
         else:
             if self.train_length is None:
                 raise ValueError(
-                    f"scale={self.scale!r} needs train_length, an int >= 2 (the trained context length)."
+                    f"scale={self.scale!r} needs train_length, an int >= 2 (the model's trained length)."
                 )
             object.__setattr__(self, "train_length", check_int("train_length", self.train_length, 2))
             if self.clamp is None:
