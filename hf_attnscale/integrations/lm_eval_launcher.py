@@ -24,6 +24,14 @@ from hf_attnscale.checkpoints.real import FetchError
 from hf_attnscale.integrations.lm_eval_model import ModelArgsError, register
 from hf_attnscale.integrations.lm_eval_tasks_data import TASKS_DIR
 
+HELP_PREFACE = (
+    "hf-attnscale lm-eval: lm-eval's own command line (its help follows), with the model type "
+    "`--model hf-attnscale` (`--model_args pretrained=NAME_OR_PATH,` then any patch option: "
+    "rerope_window=2048,scale=logn,train_length=8192, or window=1020 to stream) and this package's tasks "
+    "(hfa_stdlib_32k, hfa_kjv_books, hfa_kjv_64k, hfa_passkey_4k ... hfa_passkey_64k, and more): "
+    f"{TASKS_DIR / 'README.md'}\n"
+)
+"""What `main` prints before lm-eval's help: the part lm-eval's own help cannot say."""
 TASKS_NOT_FOUND = "Tasks not found: "
 """How lm-eval's CLI begins its error for task names it does not know (a ValueError, ``Tasks not found: a, b``)."""
 
@@ -41,9 +49,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     register()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not any(a == "--include_path" or a.startswith("--include_path=") for a in argv):
+    users_path = any(a == "--include_path" or a.startswith("--include_path=") for a in argv)
+    if not users_path:
         argv += ["--include_path", str(TASKS_DIR)]
-    elif "--help" not in argv and "-h" not in argv:
+    if "--help" in argv or "-h" in argv:
+        print(HELP_PREFACE)
+    elif users_path:
         # lm-eval takes one include path: the user's replaces ours.
         print(
             f"note: --include_path replaces hf_attnscale's own tasks ({TASKS_DIR}); copy them into your "

@@ -141,3 +141,14 @@ def test_a_misspelt_task_is_one_line_with_the_nearest_names(tmp_path, capsys):
         err.rstrip("\n").splitlines()[-1],
     ), err[-1000:]
     assert lm_eval.tasks.TaskManager is manager_class  # put back after the run
+
+
+def test_help_says_what_lm_evals_own_help_cannot(capsys):
+    """``hf-attnscale lm-eval --help``: the model type, its model_args and the package's tasks, then lm-eval's
+    own help (argparse exits with status 0)."""
+    with pytest.raises(SystemExit) as exited:
+        main(["lm-eval", "--help"])
+    out = capsys.readouterr().out
+    assert exited.value.code == 0
+    assert out.index("--model hf-attnscale") < out.index("usage:")
+    assert "rerope_window=2048" in out and "lm_eval_tasks/README.md" in out
