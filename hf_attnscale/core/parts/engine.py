@@ -307,11 +307,7 @@ def _turns_from_store(
         reaches = [part.hi * part.unit for part in method.parts if part is not anchor]
         reach = max(reaches) if reaches else 0  # (no `default=`: torch.compile takes max without it)
         start = max(0, k_len - reach)
-    shift = _shift(position_ids, k_len - 1)
-    i = torch.full((1, 1), k_len - 1, device=device) if shift is None else (k_len - 1 - shift)[:, None]
-    j = torch.arange(start, k_len, device=device)[None]
-    if shift is not None:
-        j = j - shift[:, None]
+    i, j = _step_positions(position_ids, k_len, start, device)
     turn_query = None
     if raw or anchor.query != store:
         turn = anchor.query.angle(i) - store.angle(i)
@@ -330,18 +326,23 @@ def _turns_from_store(
     return start, turn_query, None if cos is None else (cos, sin)
 
 
+def _step_positions(position_ids, k_len: int, start: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoding step's query position ``(B|1, 1)`` and the positions of the cache's keys from ``start`` on
+    ``(B|1, n)``: the cache's places less each row's offset (`_shift`), or the places where no positions came."""
+    shift = _shift(position_ids, k_len - 1)
+    i = torch.full((1, 1), k_len - 1, device=device) if shift is None else (k_len - 1 - shift)[:, None]
+    j = torch.arange(start, k_len, device=device)[None]
+    return i, j if shift is None else j - shift[:, None]
+
+
 def _parts_by_key(
     method: Method, frequencies: RotaryFrequencies, k_len: int, position_ids, dtype, device
 ) -> tuple[CosSin, torch.Tensor]:
     """`PartsCall._decode_in_parts`'s step of ``k_len`` keys: the query's turns from the store to each part's
     place ``(B|1, P, rotary_dim)``, and which part covers each key ``(B|1, k_len)`` (the parts cover every key
     once)."""
-    store, last = method.store, k_len - 1
-    shift = _shift(position_ids, last)
-    i = torch.full((1, 1), last, device=device) if shift is None else (last - shift)[:, None]
-    j = torch.arange(k_len, device=device)[None]
-    if shift is not None:
-        j = j - shift[:, None]
+    store = method.store
+    i, j = _step_positions(position_ids, k_len, 0, device)
     turns = [part.query.angle(i) - store.angle(i) for part in method.parts]
     part_of = sum(index * part.covers(i, j) for index, part in enumerate(method.parts))
     return frequencies.cos_sin(torch.cat(turns, dim=-1), dtype, scaled=False), part_of
