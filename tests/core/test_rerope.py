@@ -195,11 +195,12 @@ def test_the_family_rotation_turns_one_tensor_as_the_family_does(family, halves)
 
 
 @pytest.mark.parametrize("option, per_layer", [("rerope", 11), ("leaky", 16)])
-def test_a_decoding_step_adds_few_operators_per_layer(option, per_layer):
+def test_a_decoding_step_adds_few_operators_per_layer(option, per_layer, monkeypatch):
     """A GPU runs every operator of an eager decoding step as one launch at least, and a small model's step waits
     on launches. ReRoPE's step adds, per layer, the turns of the query and of the near keys (5 each) and the
     keys' concatenation (1); leaky ReRoPE turns the far keys too (5), by cos/sin kept across steps (37 when each
-    layer computed them)."""
+    layer computed them). Counted on the path a GPU takes: the segments joined (`engine.scores_in_place`)."""
+    monkeypatch.setattr(engine, "scores_in_place", lambda run, query: False)
 
     def step_operators(layers: int, **options) -> int:
         model = sharp_model("llama", num_hidden_layers=layers)
@@ -215,6 +216,39 @@ def test_a_decoding_step_adds_few_operators_per_layer(option, per_layer):
 
     added = [step_operators(layers, **OPTIONS[option]) - step_operators(layers) for layers in (1, 2)]
     assert added[1] - added[0] <= per_layer, added
+
+
+class CatCount(OperatorCount):
+    """The concatenations in its block, by the length of their third dim (a cache's keys: its length)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lengths = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.cat.default and out.dim() == 4:
+            self.lengths.append(out.shape[2])
+        return out
+
+
+@pytest.mark.parametrize("option", ["rerope", "leaky", "self_extend"])
+def test_a_cpu_step_scores_the_keys_where_they_lie(option):
+    """On the CPU under sdpa a decoding step scores the keys it keeps as stored and those it turns as two slices
+    of the cache, by the definition: it makes no tensor as long as the cache, where joining them copied every key
+    in every layer (each step's logits equal the whole forward's: the generate() tests). The step meets both
+    parts: 16 keys, a window of 4."""
+    options = OPTIONS.get(option) or {"self_extend_group": 2, "self_extend_window": WINDOW}
+    model = hfa.patch(sharp_model("llama", "sdpa"), **options)
+    ids = sharp_inputs(batch=1, padded=False)["input_ids"]
+    with torch.no_grad():
+        cache = transformers.DynamicCache(config=model.config)
+        model(input_ids=ids, past_key_values=cache)
+        with CatCount() as counted:
+            model(input_ids=ids[:, :1], past_key_values=cache, logits_to_keep=1)
+    # the cache's own update appends each layer's new key and value: nothing else is as long
+    layers = model.config.num_hidden_layers
+    assert counted.lengths.count(LENGTH + 1) == 2 * layers, counted.lengths
 
 
 def test_a_table_made_under_inference_mode_serves_training():

@@ -15,15 +15,16 @@ one softmax runs over every part (with the exit, where there is one):
   chunk meets ``[L(last), R(first)]``, unmasked (a mask makes the kernel compute every block, and read the
   mask), and only the keys at either side, at most a chunk wide, are masked; DCA's chunks stay within its cells.
   Else one masked block a part.
-* one query (a decoding step): one backend call at the model's width, on the keys in their order, each turned
-  relative to the query. Where every part depends on the distance alone and the keys are stored raw (ReRoPE),
-  the query is turned to the largest lower bound of a part (the window) and each key by its distance from there,
-  from tables kept across layers and steps (`RotaryFrequencies.at_distances`), the keys a part holds fixed not
-  at all; else the query is turned to where the unbounded part places it, and only the keys of the other parts
-  turn (those of the unbounded part sit where the store keeps them: leaky ReRoPE's at j/k, Self-Extend's at
-  ⌊j/G⌋), by cos/sin that depend on the step's positions alone:
-  made by the first layer of the forward and read by the others (`shared_by_layers`), as are the cos/sin at the
-  store of the call's new tokens (`at_store`). A method whose every part keeps its keys as stored (DCA) turns
+* one query (a decoding step): the keys in their order, each turned relative to the query. Where every part
+  depends on the distance alone and the keys are stored raw (ReRoPE), the query is turned to the largest lower
+  bound of a part (the window) and each key by its distance from there, from tables kept across layers and steps
+  (`RotaryFrequencies.at_distances`), the keys a part holds fixed not at all; else the query is turned to where
+  the unbounded part places it, and only the keys of the other parts turn (those of the unbounded part sit where
+  the store keeps them: leaky ReRoPE's at j/k, Self-Extend's at ⌊j/G⌋), by cos/sin that depend on the step's
+  positions alone: made by the first layer of the forward and read by the others (`shared_by_layers`), as are
+  the cos/sin at the store of the call's new tokens (`at_store`). The keys kept as stored and those turned are segments of the
+  cache: on the CPU each is scored where it lies, by the definition (`scores_in_place`); elsewhere they are
+  joined, one backend call at the model's width. A method whose every part keeps its keys as stored (DCA) turns
   no key: under sdpa, with nothing the definition lacks, the query is turned to each part's place, and every key
   scored by its own part's turn, under one softmax by the definition (`key_parts.rows_by_key`: the keys read once,
   none copied).
@@ -201,7 +202,10 @@ class PartsCall:
         return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0].contiguous()
 
     def _decode(self, run, query, key, value, mask, sliding_window, position_ids) -> torch.Tensor:
-        """One query at the cache's last place i, one call at the model's width, on the keys in their order."""
+        """One query at the cache's last place i, on the keys in their order, each turned relative to the query (in
+        segments: those a part turns, those it keeps as stored). On the CPU, under sdpa with nothing the
+        definition lacks, each segment is scored where it lies (`key_parts.plain_parts`); else the segments are
+        joined, one call at the model's width."""
         k_len, device = key.shape[2], query.device
         i = k_len - 1
         shown = None  # no mask where the model passed none: the backend takes grouped heads as they are
@@ -211,9 +215,20 @@ class PartsCall:
         if self.method.keeps_keys and run.fusable:
             return self._decode_in_parts(run, query, key, value, shown, position_ids)
         if self.method.store == RAW and self.method.by_distance:
-            query, keys = self._turn_by_distance(query, key)
+            query, segments = self._turn_by_distance(query, key)
         else:  # a method of distances counts them in the cache: no row's offset
-            query, keys = self._turn_from_store(query, key, None if self.method.by_distance else position_ids)
+            query, segments = self._turn_from_store(
+                query, key, None if self.method.by_distance else position_ids
+            )
+        if len(segments) > 1 and scores_in_place(run, query):
+            parts, begin = [], 0
+            for segment in segments:
+                end = begin + segment.shape[2]
+                seen = None if shown is None else shown[..., begin:end]
+                parts.append(KeyPart(query, segment, value[:, :, begin:end], seen))
+                begin = end
+            return key_parts.plain_parts(parts, run.exit_logits, run.scaling)
+        keys = torch.cat(segments, dim=2) if len(segments) > 1 else segments[0]
         return key_parts.attention(run, [KeyPart(query, keys, value, shown)])
 
     def _decode_in_parts(self, run, query, key, value, shown, position_ids) -> torch.Tensor:
@@ -231,12 +246,13 @@ class PartsCall:
         rows = self.rope(query.expand(-1, -1, turns[0].shape[-2], -1), *turns)  # (B, H, P, D)
         return key_parts.rows_by_key(rows, part_of, key, value, shown, run.exit_logits, run.scaling)
 
-    def _turn_by_distance(self, query, key) -> tuple[torch.Tensor, torch.Tensor]:
+    def _turn_by_distance(self, query, key) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A method of distances alone: the query turned to r (the largest lower bound of a part, so that a part
         of fixed positions meeting there keeps its keys as stored), each key by ``k(j) − q(i) + r`` (the same
         scores: ``(R(r) q) · (R(k(j) − q(i) + r) k) = (R(q(i)) q) · (R(k(j)) k)``), from kept tables. YaRN's
         attention scaling s rides on cos/sin, so every score carries s²: where a part's keys stay as stored,
-        the query takes their s, and the turned keys give theirs back."""
+        the query takes their s, and the turned keys give theirs back. The keys come in segments, in the cache's
+        order."""
         parts, frequencies, dtype, device = self.method.parts, self.frequencies, query.dtype, query.device
         k_len = key.shape[2]
         i = k_len - 1
@@ -267,16 +283,17 @@ class PartsCall:
             query = query * scaling
             for index in turned:
                 segments[index] = segments[index] / scaling
-        return query, torch.cat(segments, dim=2) if len(segments) > 1 else segments[0]
+        return query, segments
 
-    def _turn_from_store(self, query, key, position_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    def _turn_from_store(self, query, key, position_ids) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Any method: the query turned from where it comes (the method's store) to where the unbounded part
         (the anchor) places it, each key by ``k(j) − store(j) − (q(i) − anchor(i))`` for its part (the same
         scores: every pair's angle is ``k(j) − q(i)``), which is 0 for the anchor's keys where they sit where
         they are stored: then only the keys of the other parts turn, all within their reach of the query. Turns
         of what is stored rotated are pure rotations; raw keys (a store of RAW) all turn, with the attention
-        scaling. The cos/sin depend on the step's positions alone: every layer of the forward reads the first
-        one's (`shared_by_layers`)."""
+        scaling. The keys come in segments, in the cache's order: those kept as stored, those turned. The cos/sin
+        depend on the step's positions alone: every layer of the forward reads the first one's
+        (`shared_by_layers`)."""
         frequencies, k_len = self.frequencies, key.shape[2]
         start, turn_query, turn_keys = shared_by_layers(
             self.layer,
@@ -289,9 +306,16 @@ class PartsCall:
         if turn_query is not None:
             query = self.rope(query, *turn_query)
         if turn_keys is None:
-            return query, key
+            return query, [key]
         near = self.rope(key[:, :, start:], *turn_keys)
-        return query, near if start == 0 else torch.cat([key[:, :, :start], near], dim=2)
+        return query, [near] if start == 0 else [key[:, :, :start], near]
+
+
+def scores_in_place(run: Execution, query: torch.Tensor) -> bool:
+    """Whether a decoding step scores its keys' segments where they lie, by the definition (``run`` has nothing
+    it lacks): on the CPU, whose step is bound by memory, so that the cache is not copied to join them. A GPU's
+    eager step is bound by launches, which the definition has more of: there they are joined."""
+    return run.fusable and query.device.type == "cpu"
 
 
 def _turns_from_store(
