@@ -4,6 +4,7 @@ rotary, local layers and NoPE layers, with the other options, forward and backwa
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import importlib
@@ -194,6 +195,17 @@ def test_the_family_rotation_turns_one_tensor_as_the_family_does(family, halves)
         assert rope._computes_halves(own, 8) is halves
 
 
+def one_step(model, watch: OperatorCount | None = None) -> torch.Tensor:
+    """The sharp inputs (one row) through a fresh cache, then one decoding step of their first token, under
+    ``watch`` where given; the step's logits, float32."""
+    ids = sharp_inputs(batch=1, padded=False)["input_ids"]
+    with torch.no_grad():
+        cache = transformers.DynamicCache(config=model.config)
+        model(input_ids=ids, past_key_values=cache)
+        with watch or contextlib.nullcontext():
+            return model(input_ids=ids[:, :1], past_key_values=cache, logits_to_keep=1).logits.float()
+
+
 @pytest.mark.parametrize("option, per_layer", [("rerope", 11), ("leaky", 16)])
 def test_a_decoding_step_adds_few_operators_per_layer(option, per_layer, monkeypatch):
     """A GPU runs every operator of an eager decoding step as one launch at least, and a small model's step waits
@@ -206,12 +218,7 @@ def test_a_decoding_step_adds_few_operators_per_layer(option, per_layer, monkeyp
         model = sharp_model("llama", num_hidden_layers=layers)
         if options:
             hfa.patch(model, **options)
-        ids = sharp_inputs(batch=1, padded=False)["input_ids"]
-        with torch.no_grad():
-            cache = transformers.DynamicCache(config=model.config)
-            model(input_ids=ids, past_key_values=cache)
-            with OperatorCount() as counted:
-                model(input_ids=ids[:, :1], past_key_values=cache, logits_to_keep=1)
+        one_step(model, counted := OperatorCount())
         return counted.operators
 
     added = [step_operators(layers, **OPTIONS[option]) - step_operators(layers) for layers in (1, 2)]
@@ -240,12 +247,7 @@ def test_a_cpu_step_scores_the_keys_where_they_lie(option):
     parts: 16 keys, a window of 4."""
     options = OPTIONS.get(option) or {"self_extend_group": 2, "self_extend_window": WINDOW}
     model = hfa.patch(sharp_model("llama", "sdpa"), **options)
-    ids = sharp_inputs(batch=1, padded=False)["input_ids"]
-    with torch.no_grad():
-        cache = transformers.DynamicCache(config=model.config)
-        model(input_ids=ids, past_key_values=cache)
-        with CatCount() as counted:
-            model(input_ids=ids[:, :1], past_key_values=cache, logits_to_keep=1)
+    one_step(model, counted := CatCount())
     # the cache's own update appends each layer's new key and value: nothing else is as long
     layers = model.config.num_hidden_layers
     assert counted.lengths.count(LENGTH + 1) == 2 * layers, counted.lengths
@@ -257,14 +259,10 @@ def test_a_bfloat16_step_in_place_is_as_near_float32_as_the_joined_one(option, m
     (sdpa's kernel) are each within bfloat16's error of the float32 step: here 2-5% of the largest logit either
     way, where a step that drops its near keys is 16% off (and a window one wider 80%)."""
     model = hfa.patch(sharp_model("llama", "sdpa"), **OPTIONS[option])
-    ids = sharp_inputs(batch=1, padded=False)["input_ids"]
 
     def step(in_place: bool) -> torch.Tensor:
         monkeypatch.setattr(engine, "scores_in_place", lambda run, query: in_place)
-        with torch.no_grad():
-            cache = transformers.DynamicCache(config=model.config)
-            model(input_ids=ids, past_key_values=cache)
-            return model(input_ids=ids[:, :1], past_key_values=cache).logits.float()
+        return one_step(model)
 
     want = step(False)  # float32, sdpa's kernel (the float32 step in place equals it: the generate() tests)
     model.to(torch.bfloat16)

@@ -22,9 +22,9 @@ one softmax runs over every part (with the exit, where there is one):
   the unbounded part places it, and only the keys of the other parts turn (those of the unbounded part sit where
   the store keeps them: leaky ReRoPE's at j/k, Self-Extend's at ⌊j/G⌋), by cos/sin that depend on the step's
   positions alone: made by the first layer of the forward and read by the others (`shared_by_layers`), as are
-  the cos/sin at the store of the call's new tokens (`at_store`). The keys kept as stored and those turned are segments of the
-  cache: on the CPU each is scored where it lies, by the definition (`scores_in_place`); elsewhere they are
-  joined, one backend call at the model's width. A method whose every part keeps its keys as stored (DCA) turns
+  the cos/sin at the store of the call's new tokens (`at_store`). The keys kept as stored and those turned are
+  segments of the cache: on the CPU each is scored where it lies, by the definition (`scores_in_place`);
+  elsewhere they are joined, one backend call at the model's width. A method whose every part keeps its keys as stored (DCA) turns
   no key: under sdpa, with nothing the definition lacks, the query is turned to each part's place, and every key
   scored by its own part's turn, under one softmax by the definition (`key_parts.rows_by_key`: the keys read once,
   none copied).
