@@ -62,3 +62,29 @@ def test_a_run_on_a_machine_without_the_kept_cells_takes_them_from_the_last_repo
     assert rerope.reported_cell(reported, "ReRoPE w1024", "hfa_passkey_16k", 2) is None
     assert rerope.reported_cell(reported, "YaRN", "hfa_passkey_16k", 1) is None
     assert rerope.reported_results(tmp_path / "none") == {}
+
+
+@pytest.fixture
+def eightx(monkeypatch):
+    """Section 12's module, imported as its command imports it."""
+    monkeypatch.syspath_prepend(str(ROOT / "experiments"))
+    return importlib.import_module("real.eightx")
+
+
+def test_section_12_reads_every_document_before_the_other_passkeys_and_draws_those_read(eightx, tmp_path):
+    order = eightx.cells()
+    first, *others = eightx.methods()
+    assert {m for m, _, _ in order[:3]} == {first}
+    assert [task for _, task, _ in order[:3]] == [eightx.PASSKEYS] * 3
+    assert [(m, task) for m, task, _ in order[3:8]] == [(m, eightx.DOCUMENT) for m in eightx.methods()]
+    assert {m for m, _, _ in order[8:]} == set(others) and len(order) == 20
+    buckets = ("0-2k", "2k-4k", "4k-8k", "8k-16k", "16k-32k", "32k-64k")
+    document = {f"ppl_{b},none": v for b, v in zip(buckets, (4.4, 7.3, 6.2, 9.2, 11.5, 7_000.0))}
+    text = eightx.report(
+        {(first, eightx.DOCUMENT, 0.0): {**document, "seconds": 1.0, "peak_gib": 3.0}}, tmp_path
+    )
+    assert f"| {first} | 4.40 | 7.30 | 6.20 | 9.20 | 11.50 | 7,000.00 |" in text
+    assert "| unpatched | not run |" in text and (tmp_path / "eightx.png").stat().st_size > 10_000
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "(no document read yet)" in eightx.report({}, empty) and not (empty / "eightx.png").exists()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from sections.figures import figure, save
 from sections.tables import markdown
 
 import hf_attnscale as hfa
@@ -122,6 +123,8 @@ def report(results: dict[Cell, dict], out: Path) -> str:
         cost.append(f"{document['seconds']:.0f} s, {document['peak_gib']:.1f} GiB" if document else "-")
         key_rows.append(row)
         cost_rows.append(cost)
+    if buckets:
+        plot({label: results.get((label, DOCUMENT, 0.0)) for label in methods()}, buckets, out / "eightx.png")
     trained = TRAINED_LENGTH[MODEL]
     depths = [f"depth {d:.0%}" for d in DEPTHS]
     return (
@@ -138,3 +141,26 @@ def report(results: dict[Cell, dict], out: Path) -> str:
         + "\n\nTime of each cell (model load included) and the peak resident memory of the process that ran it\n\n"
         + markdown(["method", *depths, "document"], cost_rows)
     )
+
+
+def plot(documents: dict[str, dict | None], buckets: list[str], path: Path) -> None:
+    """Perplexity by position over the 64k document, one line a method read so far (section 10's panel)."""
+    fig, (ax,) = figure(1, width=8.0, height=3.8)
+    for index, (label, document) in enumerate(documents.items()):
+        if document:
+            style = {"linestyle": "-" if "ReRoPE" in label else "--", "color": f"C{index}"}
+            rerope.draw_perplexity(ax, document, [b[4:-5] for b in buckets], label, style)
+    rerope.perplexity_axis(ax, "KJV")
+    ax.set_xlim(0.8, max(rerope.bucket_centres([b[4:-5] for b in buckets])) * 1.3)
+    ax.legend(
+        loc="upper left",
+        bbox_to_anchor=(1.02, 1),
+        fontsize=7,
+        title="documents not read are not drawn",
+        title_fontsize=7,
+    )
+    fig.suptitle(
+        f"{SHORT_NAME[MODEL]} at {LENGTH:,} tokens ({LENGTH // TRAINED_LENGTH[MODEL]}x its trained length)",
+        fontsize=10,
+    )
+    save(fig, path)

@@ -224,28 +224,53 @@ PPL_CEILING = 25.0
 """The left panel's top: the methods that read past 8k stay below it; a value above is written there."""
 
 
+def bucket_centres(buckets) -> list[float]:
+    """Each bucket's middle in k tokens: "2k-4k" is at 3."""
+    return [sum(float(edge.rstrip("k")) for edge in bucket.split("-")) / 2 for bucket in buckets]
+
+
+def draw_perplexity(ax, ppl: dict, buckets, label: str, style: dict) -> None:
+    """One method's perplexity by position (the ``ppl_<bucket>,none`` entries of ``ppl``), values above
+    `PPL_CEILING` written at the top, not drawn there."""
+    centres = bucket_centres(buckets)
+    values = [ppl.get(f"ppl_{b},none", math.nan) for b in buckets]
+    ax.plot(centres, [min(v, PPL_CEILING) for v in values], **style, marker="o", label=label)
+    for centre, value in zip(centres, values):
+        if value > PPL_CEILING:  # the unchanged model past 8k
+            ax.annotate(
+                f"\u2191 {value:,.0f}",
+                (centre, PPL_CEILING),
+                xytext=(0, -10),
+                textcoords="offset points",
+                ha="center",
+                fontsize=7,
+                color=style["color"],
+            )
+
+
+def perplexity_axis(ax, document: str) -> None:
+    """The perplexity panel's scale, ticks and labels, the trained length dotted."""
+    ax.axvline(TRAINED_LENGTH[MODEL] / 1024, color="black", lw=1, ls=":")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("position (k tokens; dotted: trained 8k)")
+    ax.set_yscale("log")
+    ax.set_ylim(top=PPL_CEILING * 1.08)
+    ticks = [4, 6, 10, 15, PPL_CEILING]
+    ax.set_yticks(ticks, labels=[f"{t:g}" for t in ticks])
+    ax.minorticks_off()
+    ax.set_ylabel(f"perplexity ({document}, by position)")
+
+
 def plot(table, passkeys, depths, seeds, path: Path, title: str | None = None) -> None:
     """Left: perplexity by position (log scale, values above `PPL_CEILING` written at the top); right:
     passkeys found of those run, by haystack length."""
     fig, (left, right) = figure(2, width=5.6, height=3.6)
-    centres = [1, 3, 6, 12, 24]  # k tokens: the middle of each bucket
+    centres = bucket_centres(BUCKETS)
     for index, (label, cells) in enumerate(table.items()):
         ppl = cells.get(("hfa_kjv_books", 0))
         style = {"linestyle": "-" if "ReRoPE" in label else "--", "color": f"C{index}"}  # one colour a method
         if ppl:
-            values = [ppl.get(f"ppl_{b},none", math.nan) for b in BUCKETS]
-            left.plot(centres, [min(v, PPL_CEILING) for v in values], **style, marker="o", label=label)
-            for centre, value in zip(centres, values):
-                if value > PPL_CEILING:  # the unchanged model past 8k: written at the top, not drawn there
-                    left.annotate(
-                        f"\u2191 {value:,.0f}",
-                        (centre, PPL_CEILING),
-                        xytext=(0, -10),
-                        textcoords="offset points",
-                        ha="center",
-                        fontsize=7,
-                        color=style["color"],
-                    )
+            draw_perplexity(left, ppl, BUCKETS, label, style)
         rates = []
         for task in passkeys.values():
             runs = [cells[(task, s)] for s in seeds if (task, s) in cells]
@@ -255,16 +280,11 @@ def plot(table, passkeys, depths, seeds, path: Path, title: str | None = None) -
         ):  # a method with no passkey run yet is left out, not drawn at 0
             nudge = 2 ** (0.04 * (index - len(table) / 2))  # methods that found as many keys stay apart
             right.plot([n / 1024 * nudge for n in passkeys], rates, **style, marker="o", label=label)
+    perplexity_axis(left, "Genesis")
+    right.axvline(TRAINED_LENGTH[MODEL] / 1024, color="black", lw=1, ls=":")
+    right.set_xscale("log", base=2)
     for ax in (left, right):
-        ax.axvline(TRAINED_LENGTH[MODEL] / 1024, color="black", lw=1, ls=":")
-        ax.set_xscale("log", base=2)
         ax.set_xlabel("position / haystack (k tokens; dotted: trained 8k)")
-    left.set_yscale("log")
-    left.set_ylim(top=PPL_CEILING * 1.08)
-    ticks = [4, 6, 10, 15, PPL_CEILING]
-    left.set_yticks(ticks, labels=[f"{t:g}" for t in ticks])
-    left.minorticks_off()
-    left.set_ylabel("perplexity (Genesis, by position)")
     right.set_ylabel("share of passkeys found")
     right.set_ylim(-0.05, 1.05)
     # One span for both panels, wide enough for the longest haystack.
