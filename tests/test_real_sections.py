@@ -78,11 +78,13 @@ def test_section_12_reads_every_document_before_the_other_passkeys_and_draws_tho
     assert [task for _, task, _ in order[:3]] == [eightx.PASSKEYS] * 3
     assert [(m, task) for m, task, _ in order[3:8]] == [(m, eightx.DOCUMENT) for m in eightx.methods()]
     assert {m for m, _, _ in order[8:]} == set(others) and len(order) == 20
-    buckets = ("0-2k", "2k-4k", "4k-8k", "8k-16k", "16k-32k", "32k-64k")
+    buckets = ("0-2k", "2k-4k", "4k-8k", "8k-16k", "16k-32k", "32k+")  # as the task reports them
     document = {f"ppl_{b},none": v for b, v in zip(buckets, (4.4, 7.3, 6.2, 9.2, 11.5, 7_000.0))}
+    document |= {f"ppl_{b}_stderr,none": "N/A" for b in buckets}
     text = eightx.report(
         {(first, eightx.DOCUMENT, 0.0): {**document, "seconds": 1.0, "peak_gib": 3.0}}, tmp_path
     )
+    assert "| method | positions 0-2k |" in text and "| positions 32k+ |\n" in text
     assert f"| {first} | 4.40 | 7.30 | 6.20 | 9.20 | 11.50 | 7,000.00 |" in text
     assert "| unpatched | not run |" in text and (tmp_path / "eightx.png").stat().st_size > 10_000
     empty = tmp_path / "empty"

@@ -101,7 +101,7 @@ def report(results: dict[Cell, dict], out: Path) -> str:
     (out / "eightx.json").write_text(json.dumps(kept, indent=1, default=str))
     buckets = next(
         (
-            [k for k in r if k.startswith("ppl_") and k.endswith(",none")]
+            [k for k in r if k.startswith("ppl_") and k.endswith(",none") and "_stderr" not in k]
             for (_, t, _), r in results.items()
             if t == DOCUMENT
         ),

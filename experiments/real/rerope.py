@@ -225,8 +225,13 @@ PPL_CEILING = 25.0
 
 
 def bucket_centres(buckets) -> list[float]:
-    """Each bucket's middle in k tokens: "2k-4k" is at 3."""
-    return [sum(float(edge.rstrip("k")) for edge in bucket.split("-")) / 2 for bucket in buckets]
+    """Each bucket's middle in k tokens: "2k-4k" is at 3, and the last, open one, "32k+", at 48 (as if it ended at
+    twice its start, as each bucket before it does)."""
+    edges = [
+        [float(edge) for edge in bucket.replace("k", "").replace("+", "-").split("-") if edge]
+        for bucket in buckets
+    ]
+    return [(low + (rest[0] if rest else 2 * low)) / 2 for low, *rest in edges]
 
 
 def draw_perplexity(ax, ppl: dict, buckets, label: str, style: dict) -> None:
