@@ -18,6 +18,7 @@ from sections.figures import figure, save
 from sections.tables import markdown
 
 import hf_attnscale as hfa
+from hf_attnscale.evaluation.positions import position_buckets
 
 from . import rerope
 from .context import SHORT_NAME, TRAINED_LENGTH, Context
@@ -27,6 +28,8 @@ from .recall import DEPTHS, MODEL
 LENGTH = 65536
 DOCUMENT = "hfa_kjv_64k"
 PASSKEYS = "hfa_passkey_64k"
+BUCKETS = tuple(bucket.label for bucket in position_buckets())
+"""The document's buckets: the task's, the defaults (0-2k ... 16k-32k, and 32k+: 32k-64k here)."""
 
 Cell = tuple[str, str, float]
 """(method, task, depth); the document's cell has depth 0."""
@@ -99,18 +102,13 @@ def report(results: dict[Cell, dict], out: Path) -> str:
         for (label, task, depth), value in results.items()
     ]
     (out / "eightx.json").write_text(json.dumps(kept, indent=1, default=str))
-    buckets = next(
-        (
-            [k for k in r if k.startswith("ppl_") and k.endswith(",none") and "_stderr" not in k]
-            for (_, t, _), r in results.items()
-            if t == DOCUMENT
-        ),
-        [],
-    )
+    documents = {label: results.get((label, DOCUMENT, 0.0)) for label in methods()}
     ppl_rows, key_rows, cost_rows = [], [], []
     for label in methods():
-        document = results.get((label, DOCUMENT, 0.0))
-        ppl_rows.append([label, *[f"{document[b]:,.2f}" if document else "not run" for b in buckets]])
+        document = documents[label]
+        ppl_rows.append(
+            [label, *[f"{document[f'ppl_{b},none']:,.2f}" if document else "not run" for b in BUCKETS]]
+        )
         row, cost = [label], [label]
         for depth in DEPTHS:
             prompt = results.get((label, PASSKEYS, depth))
@@ -123,16 +121,16 @@ def report(results: dict[Cell, dict], out: Path) -> str:
         cost.append(f"{document['seconds']:.0f} s, {document['peak_gib']:.1f} GiB" if document else "-")
         key_rows.append(row)
         cost_rows.append(cost)
-    if buckets:
-        plot({label: results.get((label, DOCUMENT, 0.0)) for label in methods()}, buckets, out / "eightx.png")
+    if any(documents.values()):
+        plot(documents, out / "eightx.png")
     trained = TRAINED_LENGTH[MODEL]
     depths = [f"depth {d:.0%}" for d in DEPTHS]
     return (
         f"**{SHORT_NAME[MODEL]}** (trained at {trained}) at {LENGTH} tokens ({LENGTH // trained}x): perplexity by "
         f"position over the KJV's first {LENGTH} tokens from Genesis (`{DOCUMENT}`, one document)\n\n"
         + (
-            markdown(["method", *[f"positions {b[4:-5]}" for b in buckets]], ppl_rows)
-            if buckets
+            markdown(["method", *[f"positions {b}" for b in BUCKETS]], ppl_rows)
+            if any(documents.values())
             else "(no document read yet)"
         )
         + f"\n\nThe passkey (`{PASSKEYS}`, prompts v2, seed 0): found (greedy: every key token the argmax) or "
@@ -143,15 +141,15 @@ def report(results: dict[Cell, dict], out: Path) -> str:
     )
 
 
-def plot(documents: dict[str, dict | None], buckets: list[str], path: Path) -> None:
+def plot(documents: dict[str, dict | None], path: Path) -> None:
     """Perplexity by position over the 64k document, one line a method read so far (section 10's panel)."""
     fig, (ax,) = figure(1, width=8.0, height=3.8)
     for index, (label, document) in enumerate(documents.items()):
         if document:
             style = {"linestyle": "-" if "ReRoPE" in label else "--", "color": f"C{index}"}
-            rerope.draw_perplexity(ax, document, [b[4:-5] for b in buckets], label, style)
+            rerope.draw_perplexity(ax, document, BUCKETS, label, style)
     rerope.perplexity_axis(ax, "KJV")
-    ax.set_xlim(0.8, max(rerope.bucket_centres([b[4:-5] for b in buckets])) * 1.3)
+    ax.set_xlim(0.8, rerope.BUCKET_CENTRES[BUCKETS[-1]] * 1.3)
     ax.legend(
         loc="upper left",
         bbox_to_anchor=(1.02, 1),

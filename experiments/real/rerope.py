@@ -25,6 +25,7 @@ from sections.figures import figure, save
 from sections.tables import markdown
 
 import hf_attnscale as hfa
+from hf_attnscale.evaluation.positions import position_buckets
 
 from .context import SHORT_NAME, TRAINED_LENGTH, Context
 from .dense import rope_settings
@@ -224,20 +225,15 @@ PPL_CEILING = 25.0
 """The left panel's top: the methods that read past 8k stay below it; a value above is written there."""
 
 
-def bucket_centres(buckets) -> list[float]:
-    """Each bucket's middle in k tokens: "2k-4k" is at 3, and the last, open one, "32k+", at 48 (as if it ended at
-    twice its start, as each bucket before it does)."""
-    edges = [
-        [float(edge) for edge in bucket.replace("k", "").replace("+", "-").split("-") if edge]
-        for bucket in buckets
-    ]
-    return [(low + (rest[0] if rest else 2 * low)) / 2 for low, *rest in edges]
+BUCKET_CENTRES = {b.label: (b.start + (b.end or 2 * b.start)) / 2048 for b in position_buckets()}
+"""Each default bucket's middle in k tokens ("2k-4k": 3); the open last one ("32k+") as if it ended at twice its
+start, as each bucket before it does."""
 
 
 def draw_perplexity(ax, ppl: dict, buckets, label: str, style: dict) -> None:
     """One method's perplexity by position (the ``ppl_<bucket>,none`` entries of ``ppl``), values above
     `PPL_CEILING` written at the top, not drawn there."""
-    centres = bucket_centres(buckets)
+    centres = [BUCKET_CENTRES[b] for b in buckets]
     values = [ppl.get(f"ppl_{b},none", math.nan) for b in buckets]
     ax.plot(centres, [min(v, PPL_CEILING) for v in values], **style, marker="o", label=label)
     for centre, value in zip(centres, values):
@@ -270,7 +266,7 @@ def plot(table, passkeys, depths, seeds, path: Path, title: str | None = None) -
     """Left: perplexity by position (log scale, values above `PPL_CEILING` written at the top); right:
     passkeys found of those run, by haystack length."""
     fig, (left, right) = figure(2, width=5.6, height=3.6)
-    centres = bucket_centres(BUCKETS)
+    centres = [BUCKET_CENTRES[b] for b in BUCKETS]
     for index, (label, cells) in enumerate(table.items()):
         ppl = cells.get(("hfa_kjv_books", 0))
         style = {"linestyle": "-" if "ReRoPE" in label else "--", "color": f"C{index}"}  # one colour a method
