@@ -175,6 +175,6 @@ def plot(results: dict, labels: list[str], lengths: list[int], path: Path) -> No
         if s == 0 and j:
             ax.axvline(j - 0.5, color="black", lw=0.8)
     ax.set_title(
-        f"{SHORT_NAME[MODEL]}: the key at depth 100%, prompts v2 (blank: not run)", fontsize=9, loc="left"
+        f"{SHORT_NAME[MODEL]}: the key at depth 100%,\nprompts v2 (blank: not run)", fontsize=9, loc="left"
     )
     save(fig, path)
