@@ -90,3 +90,21 @@ def test_section_12_reads_every_document_before_the_other_passkeys_and_draws_tho
     empty = tmp_path / "empty"
     empty.mkdir()
     assert "(no document read yet)" in eightx.report({}, empty) and not (empty / "eightx.png").exists()
+
+
+def test_section_10b_runs_each_tier_over_every_seed_before_the_next(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "experiments"))
+    depth100 = importlib.import_module("real.depth100")
+    order = depth100.cells()
+    assert len(order) == len(set(order)) == 80
+    assert order[:3] == [("unpatched", 4096, seed) for seed in (0, 1, 2)]
+    past = [cell for cell in order if cell[1] > 8192 and cell[0] in depth100.rerope.methods()]
+    tiers = [set(depth100.GOAL_ORDER[:2]), set(depth100.GOAL_ORDER[2:]), set(depth100.rerope.methods())]
+    tiers[2] -= tiers[0] | tiers[1]
+    sizes = [len(tier) * 6 for tier in tiers]  # 2 lengths x 3 seeds each
+    starts = [0, sizes[0], sizes[0] + sizes[1]]
+    for tier, start, size in zip(tiers, starts, sizes):
+        block = past[start : start + size]
+        assert {label for label, _, _ in block} == tier
+        runs = [(seed > 0, n > 16384) for _, n, seed in block]  # seed 0 first, then 16k before 32k
+        assert runs == sorted(runs)

@@ -36,8 +36,9 @@ def methods() -> dict[str, dict]:
 
 def cells() -> list[tuple[str, int, int]]:
     """Every (method, haystack length, seed), in the order they run: the task's check inside the trained length
-    first, then section 9's cheap short cells, then the cells that settle the recall goal (the favoured patch
-    and YaRN first, seed 0 before the others, 16k before 32k), then the rest."""
+    first, then section 9's cheap short cells, then section 10's methods past the trained length in tiers (the
+    favoured patch and YaRN; leaky ReRoPE and dynamic NTK, the other two that section 12 reads at 8x; the rest),
+    each tier seed 0 before the others and 16k before 32k; then section 9's other methods past 8k."""
     first = [("unpatched", 4096, seed) for seed in rerope.SEEDS]
     short = [(label, n, 0) for n in (4096, 8192) for label in recall.methods() if label != "unpatched"]
     short.append(("unpatched", 8192, 0))
@@ -47,7 +48,7 @@ def cells() -> list[tuple[str, int, int]]:
         for n in SECTION_10_LENGTHS
         for label in [*GOAL_ORDER, *(m for m in rerope.methods() if m not in GOAL_ORDER)]
     ]
-    past.sort(key=lambda cell: (cell[0] not in GOAL_ORDER[:2], cell[2] > 0, cell[1] > 16384))
+    past.sort(key=lambda cell: (_tier(cell[0]), cell[2] > 0, cell[1] > 16384))
     section_9_past = [
         (label, n, 0)
         for n in SECTION_10_LENGTHS
@@ -56,6 +57,11 @@ def cells() -> list[tuple[str, int, int]]:
     ]
     ordered = first + short + past + section_9_past
     return list(dict.fromkeys(ordered))
+
+
+def _tier(label: str) -> int:
+    """0 for the first two of `GOAL_ORDER`, 1 for its other two, 2 for every other method."""
+    return GOAL_ORDER.index(label) // 2 if label in GOAL_ORDER else 2
 
 
 def key(label: str, length: int, seed: int) -> str:
