@@ -92,9 +92,14 @@ def test_section_12_reads_every_document_before_the_other_passkeys_and_draws_tho
     assert "(no document read yet)" in eightx.report({}, empty) and not (empty / "eightx.png").exists()
 
 
-def test_section_10b_runs_each_tier_over_every_seed_before_the_next(monkeypatch):
+@pytest.fixture
+def depth100(monkeypatch):
+    """Section 10b's module, imported as its command imports it."""
     monkeypatch.syspath_prepend(str(ROOT / "experiments"))
-    depth100 = importlib.import_module("real.depth100")
+    return importlib.import_module("real.depth100")
+
+
+def test_section_10b_runs_each_tier_over_every_seed_before_the_next(depth100):
     order = depth100.cells()
     assert len(order) == len(set(order)) == 80
     assert order[:3] == [("unpatched", 4096, seed) for seed in (0, 1, 2)]
