@@ -12,11 +12,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def section_module(monkeypatch, name: str):
+    """``experiments/real/<name>.py``, imported as its command imports it: with ``experiments/`` first on the path."""
+    monkeypatch.syspath_prepend(str(ROOT / "experiments"))
+    return importlib.import_module(f"real.{name}")
+
+
 @pytest.fixture
 def rerope(monkeypatch):
-    """Section 10's module, imported as its command imports it: with ``experiments/`` first on the path."""
-    monkeypatch.syspath_prepend(str(ROOT / "experiments"))
-    return importlib.import_module("real.rerope")
+    """Section 10's module."""
+    return section_module(monkeypatch, "rerope")
 
 
 def test_section_9s_seed_0_cells_stand_in_and_say_so(rerope, tmp_path):
@@ -66,9 +71,8 @@ def test_a_run_on_a_machine_without_the_kept_cells_takes_them_from_the_last_repo
 
 @pytest.fixture
 def eightx(monkeypatch):
-    """Section 12's module, imported as its command imports it."""
-    monkeypatch.syspath_prepend(str(ROOT / "experiments"))
-    return importlib.import_module("real.eightx")
+    """Section 12's module."""
+    return section_module(monkeypatch, "eightx")
 
 
 def test_section_12_reads_every_document_before_the_other_passkeys_and_draws_those_read(eightx, tmp_path):
@@ -94,9 +98,8 @@ def test_section_12_reads_every_document_before_the_other_passkeys_and_draws_tho
 
 @pytest.fixture
 def depth100(monkeypatch):
-    """Section 10b's module, imported as its command imports it."""
-    monkeypatch.syspath_prepend(str(ROOT / "experiments"))
-    return importlib.import_module("real.depth100")
+    """Section 10b's module."""
+    return section_module(monkeypatch, "depth100")
 
 
 def test_section_10b_runs_each_tier_over_every_seed_before_the_next(depth100):
