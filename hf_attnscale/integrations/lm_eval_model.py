@@ -169,6 +169,13 @@ class HFAttnScaleLM(HFLM):
 
         model = self.model
         if config is not None:
+            saved = get_config(model)
+            if saved is not None and not saved.is_identity:
+                print(
+                    f"note: the patch options given replace the patch saved with the model ({saved}).",
+                    file=sys.stderr,
+                    flush=True,
+                )
             patch(model, config=config)
         elif get_config(model) is None and (window is not None or read_saved_config(model.config)):
             patch(model)  # the saved patch (with its learned parameters), or the identity one for streaming

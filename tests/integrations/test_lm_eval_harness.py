@@ -522,6 +522,24 @@ def test_an_encoder_is_scored_by_pseudo_likelihood(texts, manager, tmp_path):
         HFAttnScaleLM(pretrained=str(tmp_path / "bert"), window=16)
 
 
+def test_options_given_replace_a_saved_patch_and_say_so(tmp_path, capsys):
+    """Patch options in model_args replace the patch a model was saved with, in one note line (as `eval`
+    says it); a model saved unpatched is patched without one."""
+    bert, tokenizer = tiny_mlm_with_tokenizer(max_position_embeddings=64)
+    tokenizer.save_pretrained(tmp_path / "plain")
+    bert.save_pretrained(tmp_path / "plain")
+    hfa.patch(bert, scale="logn", train_length=8)
+    bert.save_pretrained(tmp_path / "bert")
+    tokenizer.save_pretrained(tmp_path / "bert")
+    capsys.readouterr()
+    lm = HFAttnScaleLM(pretrained=str(tmp_path / "bert"), scale="ssmax", train_length=16, device="cpu")
+    assert hfa.get_config(lm.model).scale == "ssmax"
+    (note,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert "replace the patch saved with the model" in note and "logn" in note
+    HFAttnScaleLM(pretrained=str(tmp_path / "plain"), scale="ssmax", train_length=16, device="cpu")
+    assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+
+
 def _lm_eval_samples(launcher: list[str], model_args: str, out: Path) -> tuple[dict[int, float], str]:
     """Run the hf-attnscale model type through lm-eval's CLI under ``launcher``: each document's
     log-likelihood, and the run's log."""
