@@ -1,6 +1,6 @@
 """``hf-attnscale compare``: the demo's comparison on any causal LM: unpatched, logn, window-only and
-sink+window streaming at each cache size, and re-computation; past the trained length, YaRN and ReRoPE + logn
-too. Beside perplexity, recall: passkeys found at each length and depth, and the key's log-likelihood, for every
+sink+window streaming at each cache size, and re-computation; past the trained length, YaRN, ReRoPE + logn,
+Self-Extend and Dual Chunk Attention too. Beside perplexity, recall: passkeys found at each length and depth, and the key's log-likelihood, for every
 variant but re-computation (a variant with low perplexity can still have forgotten what it read).
 
 Re-computation predicts each token from its last C tokens re-read from scratch (StreamingLLM's oracle
@@ -54,11 +54,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "compare",
         help="the demo's comparison on any causal LM: perplexity and passkeys of unpatched, logn, YaRN, "
-        "ReRoPE + logn, window-only, sink+window and re-computation",
+        "ReRoPE + logn, Self-Extend, DCA, window-only, sink+window and re-computation",
         description="Evaluate a causal LM (a folder, a Hub id, a GGUF file or a real checkpoint's name) on "
         "held-out text at several lengths, as the demo does: unpatched; logn, YaRN (factor: the longest "
-        "length over the trained length) and ReRoPE + logn (window: a quarter of the trained length), if a "
-        "length exceeds the trained length; window-only and sink+window streaming (StreamingLLM's "
+        "length over the trained length), ReRoPE + logn (window: a quarter of the trained length), "
+        "Self-Extend (neighbours: a quarter of it, the least group that keeps the longest length within it) "
+        "and Dual Chunk Attention (chunks of three quarters of it, local a sixteenth), if a length exceeds the "
+        "trained length; window-only and sink+window streaming (StreamingLLM's "
         "SinkCache) at each cache size; and re-computation, each token predicted from its last C tokens "
         "re-read from scratch. Then passkeys by length and depth for each variant but re-computation "
         "(--no-passkeys skips them). Prints the tables and writes results.json, ppl_vs_length.png and "
