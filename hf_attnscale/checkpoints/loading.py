@@ -45,7 +45,7 @@ def from_pretrained(
     """``model_class.from_pretrained(...)``, then the hf_attnscale patch saved with the model, learned values included.
 
     Works wherever transformers can load the model (a local directory, a Hub id, the Hugging Face cache
-    offline), because the learned exit logits / SSMax slopes are read from the same weight files; and with a real
+    offline), because the patch's learned parameters are read from the same weight files; and with a real
     checkpoint's name (``"smollm2-135m"``: its folder, fetched on first use as ``hfa.fetch`` does). A model
     saved unpatched is returned unpatched. transformers would list the patch's weights as UNEXPECTED keys;
     here they are expected, so its load report is shown only when it says something else.

@@ -52,7 +52,8 @@ def passkey_prompts(
 
     The haystack holds as many filler units as fit beside the key and the question; the key's sentence goes
     after ``round(depth * units)`` of them, but never after the last: at least one unit stays between it and
-    the question (`needle_units_before`). Raises ValueError for a length too short for the key and question.
+    the question (`needle_units_before`). ``seed`` draws the keys (the filler is fixed), so a prompt set is the same
+    on every machine. Raises ValueError for a length too short for the key and question.
     """
     rng = random.Random(seed)
 
@@ -89,7 +90,7 @@ def needle_units_before(depth: float, units: int) -> int:
 class Recall:
     """How a model did on one `Passkey` prompt: ``found`` when every key token was its top choice (what greedy
     decoding would write), and the key's log-likelihood (summed over its tokens; a guess of 5 digits is about
-    ``5·ln(1/10) = −11.5``)."""
+    ``5·ln(1/10) = −11.5``). ``length`` and ``depth``: the prompt's, as `passkey_prompts` made it."""
 
     length: int
     depth: float
@@ -104,9 +105,10 @@ def passkey_recall(
     cache: SinkCache | None = None,
     chunk_size: int = 512,
 ) -> Recall:
-    """Score ``prompt`` under ``model`` (read densely, or streamed through ``cache``, as `perplexity` reads): the
-    key's tokens after the context, each predicted from everything before it. Only the key's positions reach the
-    output layer: a long haystack costs no logits over the vocabulary at each of its tokens."""
+    """Score ``prompt`` under ``model`` (read densely, or streamed through ``cache``, as `perplexity` reads, in
+    chunks of ``chunk_size`` tokens): the key's tokens after the context, each predicted from everything before
+    it. ``tokenizer``: the one the prompt was made with. Only the key's positions reach the output layer: a long
+    haystack costs no logits over the vocabulary at each of its tokens."""
     context = tokenizer(prompt.context)["input_ids"]
     key = tokenizer(" " + prompt.key, add_special_tokens=False)["input_ids"]
     ids = torch.tensor([context + key])

@@ -72,14 +72,20 @@ class SweepResult:
     """Rows of a sweep plus what produced them; `table`, `write_json` and `plot` present them."""
 
     rows: list[SweepRow]
+    """One row per variant and length."""
     variants: list[Variant]
+    """The variants, in the table's order."""
     lengths: list[int]
+    """The lengths read, ascending."""
     documents: list[str]
+    """The names of the documents read (each cut to the longest length)."""
     train_length: int | None = None
     """The length the table's and the plot's multiples (``2x``) are of: the trained length, or the patch's L
     where one was given."""
     seconds: dict[str, float] = field(default_factory=dict)
+    """Each variant's wall time over every length, for the table's tokens/s."""
     info: dict[str, Any] = field(default_factory=dict)
+    """How the sweep ran (chunk size, BOS, versions, the command), written to the JSON as it is."""
     measure: str = "perplexity"
     """What ``ppl`` is: "perplexity" (causal LM) or "pseudo-perplexity" (masked LM, with MLM accuracy)."""
     marks: list[LengthMark] = field(default_factory=list)
@@ -101,6 +107,7 @@ class SweepResult:
 
     @property
     def has_accuracy(self) -> bool:
+        """Whether the rows carry MLM accuracy (a masked LM's sweep)."""
         return has_accuracy(self.rows)
 
     def header(self) -> str:
@@ -117,6 +124,7 @@ class SweepResult:
         return "\n".join([self.header(), *(self.row(v.name) for v in self.variants)])
 
     def to_dict(self) -> dict[str, Any]:
+        """The whole result as `write_json` writes it."""
         return {
             "measure": self.measure,
             "definition": DEFINITIONS[self.measure],

@@ -113,6 +113,7 @@ class Variant:
         return SinkCache(self.sink_tokens, self.window) if self.streaming else None
 
     def to_dict(self) -> dict[str, Any]:
+        """The variant as a result's JSON records it."""
         return {
             "name": self.name,
             "patch": None if self.patch is None else dict(self.patch),

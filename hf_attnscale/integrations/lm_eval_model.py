@@ -313,7 +313,9 @@ class HFAttnScaleLM(HFLM):
             results.append(total)
         return results
 
-    def loglikelihood(self, requests, disable_tqdm: bool = False):
+    def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """HFLM's, through the patched model (an encoder refuses: it has no continuation to score); then the
+        note where the patch changed nothing at the lengths read."""
         if self.masked:
             raise NotImplementedError(
                 "hf-attnscale scores masked LMs (encoders) on perplexity tasks only (loglikelihood_rolling, as "
@@ -361,7 +363,9 @@ class HFAttnScaleLM(HFLM):
             results.append(answer)
         return results
 
-    def generate_until(self, requests, disable_tqdm: bool = False):
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
+        """HFLM's, through the patched model (an encoder refuses); then the note where the patch changed nothing
+        at the lengths read."""
         if self.masked:
             raise NotImplementedError("A masked LM (an encoder) does not generate text.")
         self._longest_read = 0

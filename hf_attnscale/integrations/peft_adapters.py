@@ -1,5 +1,5 @@
 """PEFT fine-tuning of patched models: LoRA on the attention projections, the patch's own parameters
-(learnable sink logits, SSMax slopes) trained and saved alongside, and adapters that remember their patch.
+(learnable sink logits, SSMax slopes, clip bounds, gates) trained and saved alongside, and adapters that remember their patch.
 
     >>> hfa.patch(model, scale="logn", train_length=256, sink_logit="learnable")
     >>> peft_model = peft.get_peft_model(model, hfa.lora_config(model, r=8))
@@ -70,8 +70,8 @@ _TASK_TYPES = {
 def trainable_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     """Yield ``(name, parameter)`` for the patch's own parameters that are in force on ``model``.
 
-    These are the per-head learnable sink logits (``...hfa.sink``) and SSMax slopes (``...hfa.ssmax``). On a
-    PEFT model they are the copies of the active adapter (``...hfa.modules_to_save.<adapter>.sink``): the ones
+    These are the per-head learnable sink logits (``...hfa.sink``), SSMax slopes (``...hfa.ssmax``), clip
+    bounds (``...hfa.clip_gamma``, ``...hfa.clip_zeta``) and gates (``...hfa.output_gate``). On a PEFT model they are the copies of the active adapter (``...hfa.modules_to_save.<adapter>.sink``): the ones
     the forward uses and the optimizer should update. Yields nothing when the patch has no parameters.
     """
     for name, module in model.named_modules():
@@ -116,7 +116,8 @@ def lora_config(model: nn.Module, *, train_patch: bool = True, **lora_kwargs: An
 
     Defaults, each overridable through ``lora_kwargs``: ``target_modules`` = the attention projections
     (`attention_projections`), ``task_type`` from the model's head (``CAUSAL_LM`` for ``...ForCausalLM``).
-    When the patch has parameters (``sink_logit="learnable"``, ``scale="ssmax"``) and ``train_patch`` is True,
+    When the patch has parameters (``sink_logit="learnable"``, ``scale="ssmax"``,
+    ``clipped_softmax="learnable"``, ``gate=``) and ``train_patch`` is True,
     ``"hfa"`` is added to ``modules_to_save``. The returned config records the patch in force (None for an
     unpatched model); ``PeftModel.save_pretrained`` then writes it to ``attn_scale.json`` beside the adapter,
     and `load_adapter` checks it.
@@ -229,8 +230,9 @@ def load_adapter(
 ) -> PeftModel:
     """Load a LoRA adapter saved from a patched model onto ``model``, with the patch it was trained under.
 
-    An unpatched ``model`` is first patched with the adapter's saved config (its exit-logit / SSMax parameters then
-    come from the adapter). A ``model`` patched differently from the adapter is refused with ValueError
+    An unpatched ``model`` is first patched with the adapter's saved config (the patch's learned parameters then
+    come from the adapter). ``is_trainable``: load the adapter to train it further (PEFT's own; default
+    inference mode). A ``model`` patched differently from the adapter is refused with ValueError
     (``strict=False``: a warning). A ``PeftModel`` gets ``adapter_name`` added. Other keyword arguments go to
     ``PeftModel.from_pretrained``.
 

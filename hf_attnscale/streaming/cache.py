@@ -240,7 +240,7 @@ class SinkCache(Cache):
 
     attention_step = attention_step  # one attention module's step through this cache (streaming/step.py)
 
-    def __init__(self, sink_tokens: int = DEFAULT_SINK_TOKENS, window: int = 1020):
+    def __init__(self, sink_tokens: int = DEFAULT_SINK_TOKENS, window: int = 1020) -> None:
         self.sink_tokens, self.window = stream_size(sink_tokens, window)
         self.geometry = LayerGeometry(self.sink_tokens, self.window)  # what a global layer holds and reads
         super().__init__(layers=[])

@@ -71,8 +71,8 @@ M = TypeVar("M", bound=nn.Module)
 def patch(model: M, *, config: AttnScaleConfig | None = None, **options: Any) -> M:
     """Change the attention of ``model`` (this instance only) and return it.
 
-    With no options, applies the patch saved in ``model.config`` (after ``from_pretrained``), learned exit
-    logits and SSMax slopes included, read from the checkpoint the model was loaded from (see `hfa.from_pretrained`,
+    With no options, applies the patch saved in ``model.config`` (after ``from_pretrained``), its learned
+    parameters included, read from the checkpoint the model was loaded from (see `hfa.from_pretrained`,
     which also works when that folder has moved); with none saved, the Dual Chunk Attention the checkpoint's
     ``dual_chunk_attention_config`` asks for (Qwen2.5-1M's; with a one-line note), else the identity patch (what
     `SinkCache` streaming needs). Patching with the patch already in force changes nothing; another patch
@@ -82,7 +82,7 @@ def patch(model: M, *, config: AttnScaleConfig | None = None, **options: Any) ->
     with a ``device_map`` (layers on several devices, offloaded to CPU or disk) is patched the same way; one
     built under ``init_empty_weights`` takes the learnable options only once its weights are loaded.
 
-    The options are `AttnScaleConfig`'s fields (``scale``, ``train_length``, ``zero_kv``... see it for each), by
+    The options are `AttnScaleConfig`'s fields but ``version`` (``scale``, ``train_length``, ``zero_kv``... see it for each), by
     keyword, or one ``config=``; an unknown one is an error that lists them.
 
     Example:

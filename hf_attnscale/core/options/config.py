@@ -109,6 +109,8 @@ def _clip_bounds(text: str) -> tuple[float, float] | str:
 class AttnScaleConfig:
     """What `hfa.patch` does to a model's attention.
 
+    ReRoPE, Self-Extend and DCA are methods of key parts (`hf_attnscale.core.parts`): one at a time.
+
     Args:
         scale: the query multiplier as a function of n, the number of keys a query sees.
             ``"none"``; ``"logn"``: ``log_L(n)`` (Su's Attention-E), clamped to ``max(1, ·)`` by default
@@ -151,10 +153,10 @@ class AttnScaleConfig:
             ``dual_chunk_local``. A checkpoint whose config carries ``dual_chunk_attention_config`` gets it from
             ``hfa.patch(model)`` with no options.
         dual_chunk_local: l, DCA's local size (``0 < l < s``). Only with ``dual_chunk_size``.
-        ReRoPE, Self-Extend and DCA are methods of key parts (`hf_attnscale.core.parts`): one at a time.
         rope_parameters: RoPE rescaling on the loaded model: transformers' own ``rope_parameters`` dict
             (``{"rope_type": "yarn", "factor": 4.0}``; dynamic, linear, llama3, longrope), in place of the model's
             (its ``rope_theta`` kept unless given); the model then equals the checkpoint loaded with them.
+        version: the format of the record saved in a model's config (1); not an option.
     """
 
     scale: ScaleName = field(
@@ -400,10 +402,12 @@ class AttnScaleConfig:
         return cls.from_options(**{name: _from_text(name, value) for name, value in options.items()})
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field, as saved in a model's config (``config.hf_attnscale``)."""
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AttnScaleConfig:
+        """The config `to_dict` wrote; an unknown key raises ValueError, listing the known ones."""
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         unknown = sorted(set(data) - set(known))
         if unknown:
