@@ -10,6 +10,7 @@ Importing this module needs lm-eval (``pip install hf_attnscale[eval]``).
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -206,6 +207,14 @@ def long_dataset(
         texts = [
             _text_of_first(t, offsets, first_tokens) for t, offsets in zip(texts, encoded["offset_mapping"])
         ]
+        short = [len(offsets) for offsets in encoded["offset_mapping"] if len(offsets) < first_tokens]
+        if short:  # read whole: say so, or a position bucket past them goes missing without a word
+            print(
+                f"note: {len(short)} of {len(texts)} documents have fewer than first_tokens={first_tokens} tokens "
+                f"of this tokenizer (the shortest {min(short)}); they are read whole.",
+                file=sys.stderr,
+                flush=True,
+            )
     return _test_split({"name": names, "text": texts})
 
 

@@ -167,7 +167,8 @@ def test_bad_buckets_are_one_line_before_the_model_loads(value):
     assert "\n" not in str(err.value)
 
 
-def test_first_tokens_cuts_long_documents_in_the_evaluated_models_tokens(monkeypatch):
+def test_first_tokens_cuts_long_documents_in_the_evaluated_models_tokens(monkeypatch, capsys):
+    """Each document cut to its first ``first_tokens`` tokens; one shorter is read whole, and a note says so."""
     from hf_attnscale.integrations import lm_eval_tasks_data
 
     books = [Document("Genesis", "In the beginning " * 400), Document("Exodus", "Now these are " * 300)]
@@ -178,6 +179,17 @@ def test_first_tokens_cuts_long_documents_in_the_evaluated_models_tokens(monkeyp
     for text, book in zip(cut["text"], books):
         assert book.text.startswith(text)
         assert len(tokenizer(text, add_special_tokens=False)["input_ids"]) == 100
+    assert "note:" not in capsys.readouterr().err
+    exodus = len(tokenizer(books[1].text, add_special_tokens=False)["input_ids"])
+    genesis = len(tokenizer(books[0].text, add_special_tokens=False)["input_ids"])
+    assert exodus < genesis
+    cut = long_dataset("kjv", first_tokens=genesis, pretrained=str(default_model_path()))["test"]
+    assert cut["text"] == [books[0].text, books[1].text]
+    (note,) = capsys.readouterr().err.splitlines()
+    assert (
+        note.startswith(f"note: 1 of 2 documents have fewer than first_tokens={genesis}")
+        and str(exodus) in note
+    )
 
 
 def test_the_joined_bible_starts_at_genesis_and_is_cut_in_the_evaluated_models_tokens(monkeypatch):
