@@ -1,7 +1,8 @@
 """``hf-attnscale compare``: the demo's comparison on any causal LM: unpatched, logn, window-only and
 sink+window streaming at each cache size, and re-computation; past the trained length, YaRN, ReRoPE + logn,
-Self-Extend and Dual Chunk Attention too. Beside perplexity, recall: passkeys found at each length and depth, and the key's log-likelihood, for every
-variant but re-computation (a variant with low perplexity can still have forgotten what it read).
+Self-Extend and Dual Chunk Attention too. Beside perplexity, recall: passkeys found at each length and depth,
+and the key's log-likelihood, for every variant but re-computation (a variant with low perplexity can still
+have forgotten what it read).
 
 Re-computation predicts each token from its last C tokens re-read from scratch (StreamingLLM's oracle
 baseline): a model call per token. On a long stream it is scored on an evenly spaced subsample of the tokens

@@ -52,8 +52,8 @@ def passkey_prompts(
 
     The haystack holds as many filler units as fit beside the key and the question; the key's sentence goes
     after ``round(depth * units)`` of them, but never after the last: at least one unit stays between it and
-    the question (`needle_units_before`). ``seed`` draws the keys (the filler is fixed), so a prompt set is the same
-    on every machine. Raises ValueError for a length too short for the key and question.
+    the question (`needle_units_before`). ``seed`` draws the keys (the filler is fixed), so a prompt set is the
+    same on every machine. Raises ValueError for a length too short for the key and question.
     """
     rng = random.Random(seed)
 

@@ -82,8 +82,8 @@ def patch(model: M, *, config: AttnScaleConfig | None = None, **options: Any) ->
     with a ``device_map`` (layers on several devices, offloaded to CPU or disk) is patched the same way; one
     built under ``init_empty_weights`` takes the learnable options only once its weights are loaded.
 
-    The options are `AttnScaleConfig`'s fields but ``version`` (``scale``, ``train_length``, ``zero_kv``... see it for each), by
-    keyword, or one ``config=``; an unknown one is an error that lists them.
+    The options are `AttnScaleConfig`'s fields but ``version`` (``scale``, ``train_length``, ``zero_kv``... see it
+    for each), by keyword, or one ``config=``; an unknown one is an error that lists them.
 
     Example:
         >>> hfa.patch(model, scale="logn", train_length=4096, zero_kv=True)
