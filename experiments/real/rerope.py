@@ -230,17 +230,17 @@ BUCKET_CENTRES = {b.label: (b.start + (b.end or 2 * b.start)) / 2048 for b in po
 start, as each bucket before it does."""
 
 
-def draw_perplexity(ax, ppl: dict, buckets, label: str, style: dict) -> None:
+def draw_perplexity(ax, ppl: dict, buckets, label: str, style: dict, ceiling: float = PPL_CEILING) -> None:
     """One method's perplexity by position (the ``ppl_<bucket>,none`` entries of ``ppl``), values above
-    `PPL_CEILING` written at the top, not drawn there."""
+    ``ceiling`` written at the top, not drawn there."""
     centres = [BUCKET_CENTRES[b] for b in buckets]
     values = [ppl.get(f"ppl_{b},none", math.nan) for b in buckets]
-    ax.plot(centres, [min(v, PPL_CEILING) for v in values], **style, marker="o", label=label)
+    ax.plot(centres, [min(v, ceiling) for v in values], **style, marker="o", label=label)
     for centre, value in zip(centres, values):
-        if value > PPL_CEILING:  # the unchanged model past 8k
+        if value > ceiling:  # the unchanged model past 8k
             ax.annotate(
                 f"\u2191 {value:,.0f}",
-                (centre, PPL_CEILING),
+                (centre, ceiling),
                 xytext=(0, -10),
                 textcoords="offset points",
                 ha="center",
@@ -249,14 +249,14 @@ def draw_perplexity(ax, ppl: dict, buckets, label: str, style: dict) -> None:
             )
 
 
-def perplexity_axis(ax, document: str) -> None:
-    """The perplexity panel's scale, ticks and labels, the trained length dotted."""
+def perplexity_axis(ax, document: str, ceiling: float = PPL_CEILING) -> None:
+    """The perplexity panel's scale, ticks and labels (up to ``ceiling``), the trained length dotted."""
     ax.axvline(TRAINED_LENGTH[MODEL] / 1024, color="black", lw=1, ls=":")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("position (k tokens; dotted: trained 8k)")
     ax.set_yscale("log")
-    ax.set_ylim(top=PPL_CEILING * 1.08)
-    ticks = [4, 6, 10, 15, PPL_CEILING]
+    ax.set_ylim(top=ceiling * 1.08)
+    ticks = [t for t in (4, 6, 10, 15, 25, 40) if t < ceiling] + [ceiling]
     ax.set_yticks(ticks, labels=[f"{t:g}" for t in ticks])
     ax.minorticks_off()
     ax.set_ylabel(f"perplexity ({document}, by position)")
