@@ -259,13 +259,24 @@ class HFAttnScaleLM(HFLM):
         if self.masked:
             results = self._pseudo_log_likelihoods(requests, disable_tqdm)
         else:
-            results = []
+            results, windowed = [], 0
             desc = "streaming documents" if self.streaming else "scoring documents"
             for request in tqdm(requests, desc=desc, disable=disable_tqdm or self.rank != 0):
                 (text,) = request.args
-                score = DocumentLogLikelihood(self._document_nll(self.tok_encode(text)))
+                tokens = self.tok_encode(text)
+                windowed += not self.streaming and len(tokens) + 1 > self.max_length
+                score = DocumentLogLikelihood(self._document_nll(tokens))
                 self.cache_hook.add_partial("loglikelihood_rolling", (text,), score)
                 results.append(score)
+            if windowed:  # perplexity by position past max_length would read fresh windows, not a long read
+                print(
+                    f"note: {windowed} of {len(requests)} documents are longer than max_length={self.max_length} "
+                    "tokens and were read in lm-eval's windows of that length: a token past it is predicted "
+                    "from its own window, not the whole document (set max_length above the longest document, "
+                    "or stream it with window=).",
+                    file=sys.stderr,
+                    flush=True,
+                )
         self._note_if_unchanged("loglikelihood_rolling", len(requests))
         return results
 

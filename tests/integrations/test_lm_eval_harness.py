@@ -305,6 +305,26 @@ def test_without_a_window_loglikelihood_is_lm_evals_own_without_logits_over_the_
     assert max(rows) == max(continuations)  # one request a call: its longest continuation's rows at most
 
 
+def test_documents_read_in_windows_say_so(tiny, texts, capsys):
+    """A document longer than max_length is read in lm-eval's windows, so a token past max_length is not read
+    with the whole document before it: one note line says how many; none when every document fits."""
+    model, tokenizer = tiny
+    hfa.unpatch(model)
+    requests = [Instance("loglikelihood_rolling", {}, (text,), i) for i, text in enumerate(texts)]
+    lm = HFAttnScaleLM(pretrained=model, tokenizer=tokenizer)
+    lengths = sorted(len(lm.tok_encode(text)) + 1 for text in texts)  # with the prefix token
+    for max_length, longer in ((lengths[0], len(texts) - 1), (lengths[-1], 0)):
+        lm = HFAttnScaleLM(pretrained=model, tokenizer=tokenizer, max_length=max_length)
+        capsys.readouterr()
+        lm.loglikelihood_rolling(requests)
+        notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+        if longer:
+            (note,) = notes
+            assert note.startswith(f"note: {longer} of 3 documents are longer than max_length={max_length}")
+        else:
+            assert not notes
+
+
 def test_rolling_perplexity_reads_chunks_of_logits_as_stock_hflm_reads_whole_windows(tiny, texts):
     """Rolling loglikelihood (perplexity tasks) on a model whose RoPE rescales with the length read (dynamic
     NTK): lm-eval's windows, each read in chunks of 16 at the whole window's frequencies, score as stock HFLM's
