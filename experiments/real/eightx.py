@@ -32,8 +32,8 @@ BUCKETS = tuple(bucket.label for bucket in position_buckets())
 """The document's buckets: the task's, the defaults (0-2k ... 16k-32k, and 32k+: 32k-64k here)."""
 
 CEILING = 60.0
-"""The plot's top: every patch's perplexity at 64k is drawn (dynamic NTK's reaches 48.5); the unchanged model's
-past 8k is written there."""
+"""The plot's top: every patch's perplexity at 64k is drawn (dynamic NTK's reaches 48.5); the unchanged
+model's past 8k is written there."""
 
 Cell = tuple[str, str, float]
 """(method, task, depth); the document's cell has depth 0."""

@@ -170,7 +170,7 @@ class HFAttnScaleLM(HFLM):
         model = self.model
         if config is not None:
             saved = get_config(model)
-            if saved is not None and not saved.is_identity:
+            if saved is not None and not saved.is_identity and saved != config and self.rank == 0:
                 print(
                     f"note: the patch options given replace the patch saved with the model ({saved}).",
                     file=sys.stderr,
@@ -264,13 +264,15 @@ class HFAttnScaleLM(HFLM):
             for request in tqdm(requests, desc=desc, disable=disable_tqdm or self.rank != 0):
                 (text,) = request.args
                 tokens = self.tok_encode(text)
-                windowed += not self.streaming and len(tokens) + 1 > self.max_length
+                windowed += not self.streaming and len(tokens) > self.max_length  # more than one window
                 score = DocumentLogLikelihood(self._document_nll(tokens))
                 self.cache_hook.add_partial("loglikelihood_rolling", (text,), score)
                 results.append(score)
             if windowed:  # perplexity by position past max_length would read fresh windows, not a long read
+                share = f" (process {self.rank}'s share)" if self.world_size > 1 else ""
                 print(
-                    f"note: {windowed} of {len(requests)} documents are longer than max_length={self.max_length} "
+                    f"note: {windowed} of {len(requests)} documents{share} are longer than "
+                    f"max_length={self.max_length} "
                     "tokens and were read in lm-eval's windows of that length: a token past it is predicted "
                     "from its own window, not the whole document (set max_length above the longest document, "
                     "or stream it with window=).",
@@ -325,8 +327,9 @@ class HFAttnScaleLM(HFLM):
         return results
 
     def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        """HFLM's, through the patched model (an encoder refuses: it has no continuation to score); then the
-        note where the patch changed nothing at the lengths read."""
+        """HFLM's, through the patched model, or with ``window`` each context + continuation streamed whole
+        (`_loglikelihood_tokens`); an encoder refuses (it has no continuation to score). Then the note where the
+        patch changed nothing at the lengths read."""
         if self.masked:
             raise NotImplementedError(
                 "hf-attnscale scores masked LMs (encoders) on perplexity tasks only (loglikelihood_rolling, as "

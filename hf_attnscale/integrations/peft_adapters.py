@@ -1,5 +1,6 @@
 """PEFT fine-tuning of patched models: LoRA on the attention projections, the patch's own parameters
-(learnable sink logits, SSMax slopes, clip bounds, gates) trained and saved alongside, and adapters that remember their patch.
+(learnable sink logits, SSMax slopes, clip bounds, gates) trained and saved alongside, and adapters that remember
+their patch.
 
     >>> hfa.patch(model, scale="logn", train_length=256, sink_logit="learnable")
     >>> peft_model = peft.get_peft_model(model, hfa.lora_config(model, r=8))
@@ -71,8 +72,9 @@ def trainable_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]
     """Yield ``(name, parameter)`` for the patch's own parameters that are in force on ``model``.
 
     These are the per-head learnable sink logits (``...hfa.sink``), SSMax slopes (``...hfa.ssmax``), clip
-    bounds (``...hfa.clip_gamma``, ``...hfa.clip_zeta``) and gates (``...hfa.output_gate``). On a PEFT model they are the copies of the active adapter (``...hfa.modules_to_save.<adapter>.sink``): the ones
-    the forward uses and the optimizer should update. Yields nothing when the patch has no parameters.
+    bounds (``...hfa.clip_gamma``, ``...hfa.clip_zeta``) and gates (``...hfa.output_gate``). On a PEFT model
+    they are the copies of the active adapter (``...hfa.modules_to_save.<adapter>.sink``): the ones the forward
+    uses and the optimizer should update. Yields nothing when the patch has no parameters.
     """
     for name, module in model.named_modules():
         child = module._modules.get(STATE_NAME)

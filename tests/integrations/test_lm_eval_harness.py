@@ -307,13 +307,15 @@ def test_without_a_window_loglikelihood_is_lm_evals_own_without_logits_over_the_
 
 def test_documents_read_in_windows_say_so(tiny, texts, capsys):
     """A document longer than max_length is read in lm-eval's windows, so a token past max_length is not read
-    with the whole document before it: one note line says how many; none when every document fits."""
+    with the whole document before it: one note line says how many; none when every document fits, one of
+    exactly max_length tokens included (lm-eval reads it as one window)."""
     model, tokenizer = tiny
     hfa.unpatch(model)
     requests = [Instance("loglikelihood_rolling", {}, (text,), i) for i, text in enumerate(texts)]
     lm = HFAttnScaleLM(pretrained=model, tokenizer=tokenizer)
-    lengths = sorted(len(lm.tok_encode(text)) + 1 for text in texts)  # with the prefix token
-    for max_length, longer in ((lengths[0], len(texts) - 1), (lengths[-1], 0)):
+    lengths = sorted(len(lm.tok_encode(text)) for text in texts)
+    assert lengths[0] < lengths[1]
+    for max_length, longer in ((lengths[0] - 1, 3), (lengths[0], 2), (lengths[-1], 0)):
         lm = HFAttnScaleLM(pretrained=model, tokenizer=tokenizer, max_length=max_length)
         capsys.readouterr()
         lm.loglikelihood_rolling(requests)
