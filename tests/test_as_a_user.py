@@ -143,6 +143,11 @@ def test_eval_command_runs_the_saved_patch(saved_lm, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "note: the patch options given replace the patch saved with the model" in out
     assert "| logn(L=16) |" in out
+    # The same patch as the saved one replaces nothing: no note.
+    same = ["--scale", "logn", "--train-length", "16", "--zero-kv", "--out", str(tmp_path / "o3")]
+    assert main([*common, *same]) == 0
+    out = capsys.readouterr().out
+    assert "| logn(L=16) + zero-kv |" in out and "replace the patch saved" not in out
 
 
 def test_eval_measures_an_encoder_by_mlm(saved_lm, tmp_path, capsys):

@@ -9,7 +9,7 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
-from hf_attnscale.core.options.config import OPTION_NAMES, AttnScaleConfig
+from hf_attnscale.core.options.config import OPTION_NAMES, AttnScaleConfig, replaced_patch_note
 from hf_attnscale.core.options.flags import add_patch_arguments
 
 from .options import (
@@ -230,12 +230,12 @@ def _variant(
     saved = get_config(model)
     sink_tokens, window = settings if settings is not None else (0, None)
     if options:
-        if saved is not None and not saved.is_identity:
-            print(
-                f"note: the patch options given replace the patch saved with the model ({saved}).", flush=True
-            )
         name = args.name or describe(options, sink_tokens, window)
-        return Variant(name, patch=options, sink_tokens=sink_tokens, window=window)
+        variant = Variant(name, patch=options, sink_tokens=sink_tokens, window=window)
+        note = replaced_patch_note(saved, variant.config)
+        if note is not None:
+            print(note, flush=True)
+        return variant
     if saved is not None and not saved.is_identity:
         patch = {k: v for k, v in saved.to_dict().items() if k in OPTION_NAMES}
         name = args.name or "saved: " + describe(patch, sink_tokens, window)

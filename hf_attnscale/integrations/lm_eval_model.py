@@ -38,6 +38,7 @@ from hf_attnscale.core.options.config import (
     AttnScaleConfig,
     default_train_length,
     read_saved_config,
+    replaced_patch_note,
 )
 from hf_attnscale.core.options.validation import check_int
 from hf_attnscale.evaluation.mlm import pseudo_log_likelihood
@@ -169,13 +170,9 @@ class HFAttnScaleLM(HFLM):
 
         model = self.model
         if config is not None:
-            saved = get_config(model)
-            if saved is not None and not saved.is_identity and saved != config and self.rank == 0:
-                print(
-                    f"note: the patch options given replace the patch saved with the model ({saved}).",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            note = replaced_patch_note(get_config(model), config)
+            if note is not None and self.rank == 0:
+                print(note, file=sys.stderr, flush=True)
             patch(model, config=config)
         elif get_config(model) is None and (window is not None or read_saved_config(model.config)):
             patch(model)  # the saved patch (with its learned parameters), or the identity one for streaming

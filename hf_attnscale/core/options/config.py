@@ -461,6 +461,14 @@ def read_saved_config(model_config: Any) -> AttnScaleConfig | None:
     return None if data is None else AttnScaleConfig.from_dict(dict(data))
 
 
+def replaced_patch_note(saved: AttnScaleConfig | None, given: AttnScaleConfig) -> str | None:
+    """The one-line note that options ``given`` replace the patch ``saved`` with a model; None where there is
+    nothing to replace (no patch saved, the identity patch, or the same patch)."""
+    if saved is None or saved.is_identity or saved == given:
+        return None
+    return f"note: the patch options given replace the patch saved with the model ({saved})."
+
+
 DUAL_CHUNK_KEY = "dual_chunk_attention_config"
 """Where a checkpoint's config asks for Dual Chunk Attention (Qwen2.5-7B/14B-Instruct-1M), which transformers
 ignores: ``chunk_size``, ``local_size``, ``original_max_position_embeddings`` and MInference's sparse keys."""
