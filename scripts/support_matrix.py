@@ -1,11 +1,11 @@
 """Write docs/SUPPORT.md: what each model type of the installed transformers supports, from the family tests.
 
     python scripts/support_matrix.py   # runs TESTS: the family tests, streaming's, and the position methods' on
-                                       # every decoder (ReRoPE's; Self-Extend's and DCA's, -m slow ones)
+                                       # every decoder (ReRoPE's; the registry's other methods', -m slow)
 
 Every cell is a test result on a tiny model of that type (tests/model_zoo.py): logn and the exit against the
-eager reference, StreamingLLM chunked = token by token = generate(), and ReRoPE + logn, Self-Extend and DCA
-against their references. A
+eager reference, StreamingLLM chunked = token by token = generate(), and ReRoPE + logn and every other method of
+the registry (hf_attnscale.core.options.methods) against their references. A
 refused cell gives the reason the library gives the user. The totals open the page; the README quotes them.
 """
 
@@ -25,6 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from model_zoo import SKIPPED  # noqa: E402  (the types the family tests leave out, with the reason)
 
+from hf_attnscale.core.options.methods import METHODS  # noqa: E402
+
 TESTS = [
     "tests/core/test_families.py",
     "tests/streaming/test_streaming_families.py",
@@ -33,12 +35,12 @@ TESTS = [
     "tests/core/test_rescaling.py::test_every_decoder_equals_transformers_built_with_them_or_is_refused_in_one_line",
 ]
 POSITION_METHODS = {
+    **{entry.key: entry.title for entry in METHODS},
     "rerope": "ReRoPE + logn",
-    "self_extend": "Self-Extend",
-    "dca": "DCA",
     "rope_parameters": "YaRN (rope_parameters)",
 }
-"""Per-type columns of the methods that change positions: the column's key and its heading."""
+"""Per-type columns of the methods that change positions, the column's key and its heading: every method of the
+registry (test_engine's ids are its keys; ReRoPE's test runs it with logn), and RoPE rescaling."""
 
 
 def run_tests() -> ET.Element:
@@ -120,8 +122,9 @@ def main() -> None:
         "tests/core/test_rerope.py, tests/core/test_engine.py, "
         "tests/core/test_rescaling.py). ✓ passes against the eager reference (streaming: "
         "chunked = token by token = generate(); ReRoPE + logn: against the reference that rotates raw q and k by "
-        "the clamped distance; Self-Extend and DCA: against the per-pair reference that places each pair where the "
-        "paper does; YaRN (rope_parameters): against the model built by transformers with them); "
+        "the clamped distance; "
+        + ", ".join(entry.title for entry in METHODS if entry.key != "rerope")
+        + ": against the per-pair reference that places each pair where the paper does; YaRN (rope_parameters): against the model built by transformers with them); "
         "`refused` means the library refuses with a reason (listed below); `n/a`: a decoder without RoPE; –: not "
         "applicable (streaming or a position method on an encoder, or sdpa on a model that only runs eager).",
         "",

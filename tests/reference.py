@@ -167,20 +167,17 @@ def rerope_logits(q, k, window, leak, inv_freq, scale, layout="halves"):
     return out
 
 
-def method_positions(method, i, j):
-    """Where a pair of a query at position ``i`` and a key at ``j`` (broadcast, float64) is scored, ``(query's,
-    key's)``, by the papers' definitions: Self-Extend (LongLM: neighbours nearer than w at their own positions,
-    the rest with the query at ⌊i/G⌋ + w − ⌊w/G⌋ and the key at ⌊j/G⌋) and Dual Chunk Attention (ChunkLlama /
-    vLLM: c = s − l, the key at j mod c; the query at i mod c in the key's chunk, min(i mod c + c, s) in the next,
-    min(2c − 1, s) further on)."""
-    kind, first, second = method
-    i, j = torch.broadcast_tensors(i, j)
-    if kind == "self_extend":
-        group, window = first, second
-        near = (i - j) < window
-        far_q = torch.floor(i / group) + window - window // group
-        return torch.where(near, i, far_q), torch.where(near, j, torch.floor(j / group))
-    size, local = first, second
+def _self_extend_places(i, j, group, window):
+    """Self-Extend (LongLM): neighbours nearer than w at their own positions, the rest with the query at
+    ⌊i/G⌋ + w − ⌊w/G⌋ and the key at ⌊j/G⌋."""
+    near = (i - j) < window
+    far_q = torch.floor(i / group) + window - window // group
+    return torch.where(near, i, far_q), torch.where(near, j, torch.floor(j / group))
+
+
+def _dual_chunk_places(i, j, size, local):
+    """Dual Chunk Attention (ChunkLlama / vLLM): c = s − l, the key at j mod c; the query at i mod c in the key's
+    chunk, min(i mod c + c, s) in the next, min(2c − 1, s) further on."""
     c = size - local
     apart = torch.floor(i / c) - torch.floor(j / c)
     inside = torch.remainder(i, c)
@@ -190,6 +187,26 @@ def method_positions(method, i, j):
         torch.where(apart == 1, torch.clamp(inside + c, max=size), torch.full_like(i, min(2 * c - 1, size))),
     )
     return q, torch.remainder(j, c)
+
+
+def _string_places(i, j, shift, local):
+    """STRING (HKUNLP/STRING): the key at j; the query at i while i − j < S, from S on at i − S + W."""
+    return torch.where((i - j) < shift, i, i - shift + local), j
+
+
+PAIR_PLACES = {"self_extend": _self_extend_places, "dca": _dual_chunk_places, "string": _string_places}
+"""Where each method (by its registry key) scores a pair, by its paper's definition: ``(i, j, *options)`` to the
+query's and the key's positions."""
+STRING_FACTOR = 1 + 0.1 * math.log(2)
+"""STRING's attention factor on cos and sin, as its authors' code sets it (``replace_with_string``)."""
+
+
+def method_positions(method, i, j):
+    """Where a pair of a query at position ``i`` and a key at ``j`` (broadcast, float64) is scored under ``method``
+    ``(key, first, second)``, ``(query's, key's)`` (`PAIR_PLACES`)."""
+    kind, *options = method
+    i, j = torch.broadcast_tensors(i, j)
+    return PAIR_PLACES[kind](i, j, *options)
 
 
 def method_logits(q, k, method, positions, inv_freq, scale, layout="halves"):
@@ -234,6 +251,9 @@ class ReferencePatch:
         self_extend_window=None,
         dual_chunk_size=None,
         dual_chunk_local=None,
+        string_shift=None,
+        string_local=128,
+        string_factor=STRING_FACTOR,
     ):
         self.apply_softcap = (
             apply_softcap  # eager caps the logits; sdpa ignores the cap, and so must its reference
@@ -245,11 +265,15 @@ class ReferencePatch:
         # ReRoPE: the reference model's rotary returns the identity, and `rerope_rope` holds the real one's
         # (inv_freq, attention scaling), set by `make_reference` for the layers that rotate.
         self.rerope = (rerope_window, rerope_leak) if rerope_window else None
-        self.method = None  # Self-Extend or DCA: ``(kind, first, second)`` for `method_positions`
+        self.method = None  # Self-Extend, DCA or STRING: ``(key, first, second)`` for `method_positions`
+        self.factor = 1.0  # on cos/sin, of queries and keys: STRING's
         if self_extend_group:
             self.method = ("self_extend", self_extend_group, self_extend_window)
         elif dual_chunk_size:
-            self.method = ("dual_chunk", dual_chunk_size, dual_chunk_local)
+            self.method = ("dca", dual_chunk_size, dual_chunk_local)
+        elif string_shift:
+            self.method = ("string", string_shift, string_local)
+            self.factor = string_factor
         self.rerope_rope = None
         self.gate_weight = self.gate_bias = None
         if clipped_softmax == "learnable":
@@ -297,7 +321,8 @@ def reference_forward(module, query, key, value, attention_mask, scaling=None, d
         positions = kwargs.get("position_ids")
         if positions is None or positions.shape[-1] != k_len:  # the model's default: the cache's places
             positions = torch.arange(k_len, device=query.device)[None]
-        logits = method_logits(query, key, ref.method, positions, *ref.rerope_rope())
+        inv_freq, scale, layout = ref.rerope_rope()
+        logits = method_logits(query, key, ref.method, positions, inv_freq, scale * ref.factor, layout)
     out, weights = reference_attention(
         query,
         key,
@@ -360,7 +385,10 @@ def make_reference(model, attention_classes, **patch_kwargs):
                 module.register_forward_pre_hook(_remember_input, with_kwargs=True)
             refs.append(module.hfa_ref)
             layers.append(getattr(module, "layer_idx", len(layers)))
-    if any(patch_kwargs.get(name) for name in ("rerope_window", "self_extend_group", "dual_chunk_size")):
+    if any(
+        patch_kwargs.get(name)
+        for name in ("rerope_window", "self_extend_group", "dual_chunk_size", "string_shift")
+    ):
         _raw_rope(model, refs, layers)
     return refs
 

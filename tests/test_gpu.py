@@ -42,8 +42,8 @@ from transformers.utils import is_flash_attn_2_available
 
 import hf_attnscale as hfa
 from hf_attnscale.core.call import exit
+from hf_attnscale.core.options.methods import dual_chunk, rerope, self_extend
 from hf_attnscale.core.parts import flex_parts
-from hf_attnscale.core.parts.declare import dual_chunk, rerope, self_extend
 
 pytestmark = pytest.mark.gpu
 

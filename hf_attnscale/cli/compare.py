@@ -189,18 +189,11 @@ def comparison_variants(
     caches: Sequence[int], sink_tokens: int, train_length: int, longest: int
 ) -> list[Variant]:
     """unpatched; logn where it changes something at ``longest`` (past ``train_length``: within it, logn is 1,
-    `unchanged_within`); past ``train_length``, YaRN (factor ``longest / train_length``), ReRoPE + logn
-    (window ``train_length / 4``), Self-Extend (neighbours ``train_length / 4``, the group that keeps
-    ``longest`` within ``train_length``) and DCA (ChunkLlama's chunks of ``3L/4``, local ``L/16``), the methods
-    that recall there; then window-only and sink+window streaming with each cache (of ``cache`` tokens,
+    `unchanged_within`); past ``train_length``, YaRN (factor ``longest / train_length``) and every method of
+    key parts at its registered default (`hf_attnscale.core.options.methods`: ReRoPE + logn with a window of
+    ``train_length / 4``, Self-Extend, DCA...), the methods that recall there; then window-only and sink+window streaming with each cache (of ``cache`` tokens,
     ``sink_tokens`` of them sinks)."""
-    from hf_attnscale.evaluation.variants import (
-        Variant,
-        dual_chunk_variant,
-        rerope_variant,
-        self_extend_variant,
-        unchanged_within,
-    )
+    from hf_attnscale.evaluation.variants import Variant, method_variants, unchanged_within
 
     variants = [Variant("unpatched")]
     logn = logn_variant(train_length)
@@ -211,9 +204,7 @@ def comparison_variants(
         yarn = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": train_length}
         variants += [
             Variant(f"YaRN (x{factor:g})", patch={"rope_parameters": yarn}),
-            rerope_variant(train_length),
-            self_extend_variant(train_length, longest),
-            dual_chunk_variant(train_length),
+            *method_variants(train_length, longest),
         ]
     for cache in caches:
         variants += [Variant.streamed(cache, 0), Variant.streamed(cache, sink_tokens)]

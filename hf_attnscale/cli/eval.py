@@ -9,8 +9,9 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
-from hf_attnscale.core.options.config import OPTION_NAMES, AttnScaleConfig, replaced_patch_note
+from hf_attnscale.core.options.config import METHOD_NAMES, OPTION_NAMES, AttnScaleConfig, replaced_patch_note
 from hf_attnscale.core.options.flags import add_patch_arguments
+from hf_attnscale.core.options.methods import label_of
 
 from .options import (
     PATCH_TITLE,
@@ -172,15 +173,11 @@ def describe(options: dict[str, Any], sink_tokens: int, window: int | None) -> s
     if rope is not None:
         flat = "rope_type" in rope and "factor" in rope
         parts.append(f"{rope['rope_type']}(x{rope['factor']:g})" if flat else f"rope_parameters={rope}")
-    rerope, leak = rest.pop("rerope_window", None), rest.pop("rerope_leak", None)
-    if rerope is not None:
-        parts.append(f"leaky ReRoPE(w={rerope}, k={leak:g})" if leak is not None else f"ReRoPE(w={rerope})")
-    group, neighbours = rest.pop("self_extend_group", None), rest.pop("self_extend_window", None)
-    if group is not None:
-        parts.append(f"Self-Extend(G={group}, w={neighbours})")
-    chunk, local = rest.pop("dual_chunk_size", None), rest.pop("dual_chunk_local", None)
-    if chunk is not None:
-        parts.append(f"DCA(s={chunk}, l={local})")
+    method = label_of(rest)
+    if method is not None:
+        parts.append(method)
+        for name in METHOD_NAMES:
+            rest.pop(name, None)
     scale, train_length, beta = (
         rest.pop("scale", "none"),
         rest.pop("train_length", None),

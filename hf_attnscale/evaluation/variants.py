@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -14,6 +13,7 @@ from torch import nn
 from hf_attnscale.core.install.patching import patched
 from hf_attnscale.core.options.config import AttnScaleConfig
 from hf_attnscale.core.options.laws import query_multiplier
+from hf_attnscale.core.options.methods import METHODS
 from hf_attnscale.streaming.cache import DEFAULT_SINK_TOKENS, SinkCache, cache_settings
 
 
@@ -122,33 +122,17 @@ class Variant:
         }
 
 
-RERoPE_WINDOW_SHARE = 4
-"""ReRoPE's window in the comparisons: the trained length over this (Su: 1,024 for a model trained at 4,096)."""
+def method_variant(key: str, train_length: int, longest: int) -> Variant:
+    """`hf-attnscale compare`'s variant of the registered method ``key`` (`hf_attnscale.core.options.methods`) for a
+    model trained at ``train_length`` read to ``longest`` tokens."""
+    entry = next(entry for entry in METHODS if entry.key == key)
+    name, patch = entry.compare(train_length, longest)
+    return Variant(name, patch=patch)
 
 
-def rerope_variant(train_length: int) -> Variant:
-    """ReRoPE + logn, Su's recipe, with a window of a quarter of ``train_length``."""
-    window = max(1, train_length // RERoPE_WINDOW_SHARE)
-    patch = {"rerope_window": window, "scale": "logn", "train_length": train_length}
-    return Variant(f"ReRoPE + logn (w={window})", patch=patch)
-
-
-def self_extend_variant(train_length: int, longest: int) -> Variant:
-    """Self-Extend with neighbours a quarter of ``train_length`` (ReRoPE's window) and the least group that keeps
-    the largest grouped distance at ``longest`` tokens within ``train_length``: ``(T − w)/G + w ≤ L`` (LongLM's
-    rule)."""
-    window = max(1, train_length // RERoPE_WINDOW_SHARE)
-    group = max(2, math.ceil((longest - window) / max(1, train_length - window)))
-    patch = {"self_extend_group": group, "self_extend_window": window}
-    return Variant(f"Self-Extend (G={group}, w={window})", patch=patch)
-
-
-def dual_chunk_variant(train_length: int) -> Variant:
-    """Dual Chunk Attention with ChunkLlama's defaults for a model trained at L: chunks of ``3L/4``, local
-    ``L/16``."""
-    size, local = max(2, 3 * train_length // 4), max(1, train_length // 16)
-    patch = {"dual_chunk_size": size, "dual_chunk_local": local}
-    return Variant(f"DCA (s={size}, l={local})", patch=patch)
+def method_variants(train_length: int, longest: int) -> list[Variant]:
+    """Every registered method's `method_variant`, in the registry's order."""
+    return [method_variant(entry.key, train_length, longest) for entry in METHODS]
 
 
 def demo_variants(
@@ -156,7 +140,7 @@ def demo_variants(
 ) -> list[Variant]:
     """The variants of ``hf-attnscale demo`` for a model trained at ``train_length`` tokens (L below).
 
-    unpatched; logn (``max(1, log_L(n))``); ReRoPE + logn (`rerope_variant`); window-only and sink+window streaming with a cache of L tokens,
+    unpatched; logn (``max(1, log_L(n))``); ReRoPE + logn (the registry's, `method_variant`); window-only and sink+window streaming with a cache of L tokens,
     so no token ever sees a position the model was not trained on; and streaming+logn with a cache of 2L,
     next to sink+window with the same 2L cache so the two differ only by logn. (With a cache of at most L,
     the clamped logn factor is 1 everywhere and streaming+logn would equal sink+window exactly.) With ``bos``
@@ -169,7 +153,7 @@ def demo_variants(
     return [
         Variant("unpatched"),
         Variant("logn", patch=logn),
-        rerope_variant(train_length),
+        method_variant("rerope", train_length, train_length),
         Variant.streamed(capacity, 0),
         Variant.streamed(capacity, sink_tokens),
         wide,

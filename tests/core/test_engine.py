@@ -35,8 +35,8 @@ from reference import method_positions
 
 import hf_attnscale as hfa
 from hf_attnscale.core.call.rope import RotaryFrequencies
+from hf_attnscale.core.options.methods import dual_chunk, rerope, self_extend
 from hf_attnscale.core.parts import engine, key_parts
-from hf_attnscale.core.parts.declare import dual_chunk, rerope, self_extend
 
 SE = {"self_extend_group": 2, "self_extend_window": 4}
 DCA = {"dual_chunk_size": 6, "dual_chunk_local": 2}  # chunks of 4: the 16 tokens reach 3 chunks back
@@ -85,7 +85,7 @@ def test_the_declarations_place_each_pair_as_the_paper_does(name):
     method = DECLARED[name]
     args = {"self_extend": (2, 4), "self_extend, G > w": (5, 3), "dca": (6, 2), "dca, l > c": (7, 4)}[name]
     i, j = torch.arange(40)[:, None], torch.arange(40)[None]
-    kind = "self_extend" if name.startswith("self_extend") else "dual_chunk"
+    kind = name.split(",")[0]
     want_q, want_k = method_positions((kind, *args), i.double(), j.double())
     for part in method.parts:
         covers = part.covers(i, j)

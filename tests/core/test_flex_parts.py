@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
+from hf_attnscale.core.options.declare import At, Part
 from hf_attnscale.core.parts import flex_parts, key_parts
-from hf_attnscale.core.parts.declare import At, Part
 from hf_attnscale.core.parts.flex_parts import Band
 from hf_attnscale.core.parts.key_parts import KeyPart, plain_parts
 

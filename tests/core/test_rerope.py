@@ -35,8 +35,8 @@ from model_zoo import EAGER_ONLY, LOGIT_TOLERANCE, family_types, head_of, refere
 
 import hf_attnscale as hfa
 from hf_attnscale.core.call import rope
+from hf_attnscale.core.options.methods import rerope
 from hf_attnscale.core.parts import engine
-from hf_attnscale.core.parts.declare import rerope
 
 WINDOW, LEAK, LENGTH = 4, 3.0, 16
 OPTIONS = {

@@ -10,7 +10,7 @@ from torch import nn
 from hf_attnscale.core.call.rope import ROPE_FUNCTION, RotaryFrequencies, family_rope
 from hf_attnscale.core.install.families import Rotary, is_causal_attention
 from hf_attnscale.core.install.routing import applies_rope
-from hf_attnscale.core.parts.declare import Method
+from hf_attnscale.core.options.declare import Method
 from hf_attnscale.core.parts.engine import check_parts_backend
 
 

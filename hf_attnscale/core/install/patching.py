@@ -61,7 +61,7 @@ from hf_attnscale.core.options.config import (
     checkpoint_dual_chunk,
     read_saved_config,
 )
-from hf_attnscale.core.parts.declare import method_of
+from hf_attnscale.core.options.methods import method_of
 
 M = TypeVar("M", bound=nn.Module)
 """Where a patched RoPE attention module keeps ``(the model's rotary embedding, its layer type)``: in its

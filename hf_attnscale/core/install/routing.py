@@ -39,7 +39,8 @@ from hf_attnscale.core.call.rope import RotaryFrequencies, family_rope, family_r
 from hf_attnscale.core.call.state import state_of
 from hf_attnscale.core.install.families import Rotary
 from hf_attnscale.core.install.wrappers import wrapped
-from hf_attnscale.core.parts.declare import RAW, Method, method_of
+from hf_attnscale.core.options.declare import RAW, Method
+from hf_attnscale.core.options.methods import method_of
 from hf_attnscale.core.parts.engine import PartsCall, at_store, check_parts_backend
 
 ATTENTION_STEP = "attention_step"

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
+import textwrap
 from collections.abc import Callable
 from dataclasses import Field, asdict, dataclass, field, fields
 from typing import Any, Literal, get_args
 
+from hf_attnscale.core.options.methods import METHOD_OPTIONS, check_methods, entry_of
 from hf_attnscale.core.options.validation import check_int
 
 CONFIG_KEY = "hf_attnscale"
@@ -105,58 +108,70 @@ def _clip_bounds(text: str) -> tuple[float, float] | str:
     return gamma, zeta
 
 
+def _with_method_options(cls: type) -> type:
+    """``cls`` with a field for each option of the registered methods (`hf_attnscale.core.options.methods`),
+    before ``rope_parameters``, and their entries in its docstring: so that each is declared once, there."""
+    annotations: dict[str, Any] = {}
+    for name, kind in inspect.get_annotations(cls).items():
+        if name == "rope_parameters":
+            for option in METHOD_OPTIONS:
+                annotations[option.name] = f"{option.kind.__name__} | None"
+                metadata = _option(option.help, parse=option.kind, metavar=option.metavar)
+                setattr(cls, option.name, field(default=None, metadata=metadata))
+        annotations[name] = kind
+    cls.__annotations__ = annotations
+    docs = [
+        textwrap.fill(
+            f"{option.name}: {option.doc}",
+            116,
+            initial_indent=" " * 8,
+            subsequent_indent=" " * 12,
+            break_on_hyphens=False,
+        )
+        for option in METHOD_OPTIONS
+    ]
+    cls.__doc__ = cls.__doc__.replace("{methods}", "\n".join(docs))
+    return cls
+
+
 @dataclass(frozen=True)
+@_with_method_options
 class AttnScaleConfig:
     """What `hfa.patch` does to a model's attention.
 
-    ReRoPE, Self-Extend and DCA are methods of key parts (`hf_attnscale.core.parts`): one at a time.
+        The methods of key parts (ReRoPE, Self-Extend, DCA...) are declared in `hf_attnscale.core.options.methods`, whose
+        options are fields here too (in its order, before ``rope_parameters``); one method at a time.
 
-    Args:
-        scale: the query multiplier as a function of n, the number of keys a query sees.
-            ``"none"``; ``"logn"``: ``log_L(n)`` (Su's Attention-E), clamped to ``max(1, ·)`` by default
-            as in Qwen's logn attention; ``"ssmax"``: learnable per-head ``s·ln(n)`` (Scalable-Softmax),
-            initialised to ``1/ln(L)`` so it starts equal to ``log_L(n)``; ``"gradmax"``: ``sqrt(ln n / ln L)``,
-            the score scale ``≈ 0.84·sqrt(ln n)`` that maximises the softmax gradient (Su, "Attention's scale
-            from gradient maximisation"), normalised to 1 at the trained length; ``"llama4"``:
-            ``1 + β·ln(1 + ⌊n / L⌋)``, Llama 4's attention temperature tuning (L its ``floor_scale``, 8192);
-            ``"ministral3"``: ``1 + β·ln(1 + ⌊(n − 1) / L⌋)``, Ministral 3's and Mistral 4's query scaling
-            (L their ``original_max_position_embeddings``).
-        train_length: L, the model's trained length (required with a scale, at least 2).
-        clamp: apply ``max(1, ·)`` so lengths up to L are untouched. Defaults to True for ``logn`` and
-            ``gradmax``, False for the others. Only valid with a scale.
-        beta: β of ``llama4`` and ``ministral3`` (default 0.1, the families' own); only valid with them.
-        clipped_softmax: ``(γ, ζ)``: attention probabilities ``clip((ζ − γ)·softmax + γ, 0, 1)`` (Bondarenko
-            et al., 2023; γ ≤ 0 lets a head give a token exactly zero weight, their γ = −α/T), with γ ≤ 0 and
-            ζ ≥ 1; or ``"learnable"``: per-head γ and ζ, initialised to 0 and 1 (the unpatched softmax). Runs
-            the eager formula on every backend. Not with an exit: each is a way for a head to do nothing.
-        gate: a sigmoid gate on each head's output from the token's input hidden state, before the output
-            projection (Bondarenko et al. 2023; Qiu et al. 2025): ``"head"``, one per head, or ``"element"``,
-            one per channel; ``2·sigmoid(x·W + b)`` with ``W = b = 0`` at first, so the patched model starts
-            equal to the original. Learnable, saved and trained with PEFT like the exit's logit.
-        zero_kv: an exit: a zero key and zero value every query sees (softmax-off-by-one).
-        sink_logit: an exit with this logit: a per-head column whose value is zero; a fixed float, or
-            ``"learnable"`` (an ``nn.Parameter`` per head, initialised to 0, which equals ``zero_kv``).
-        rerope_window: ReRoPE's window w (Su 2023): a query and a key ``d = i − j`` apart are scored with RoPE at
-            distance ``d`` when ``d < w`` and at ``w`` from there on, so no distance is ever one the model did
-            not see. RoPE decoders on eager or sdpa; positions are the cache's, so distances are those of each
-            row's tokens (left padding included). Costs a second set of scores.
-        rerope_leak: k > 1 gives leaky ReRoPE: ``d ≥ w`` is scored at ``w + (d − w) / k`` (Su uses k = 16).
-            Only with ``rerope_window``.
-        self_extend_group: Self-Extend's group size G (Jin et al. 2024, "LLM Maybe LongLM"): a pair ``i − j``
-            apart by less than ``self_extend_window`` is scored at the model's own positions, every other with the
-            query at ``⌊i/G⌋ + w − ⌊w/G⌋`` and the key at ``⌊j/G⌋``. Pick G so that ``(T − w)/G + w`` stays
-            within the trained length at T tokens. Needs ``self_extend_window``.
-        self_extend_window: Self-Extend's neighbour window w. Only with ``self_extend_group``.
-        dual_chunk_size: Dual Chunk Attention's chunk size s (An et al. 2024, ChunkLlama; Qwen2.5-1M's
-            ``dual_chunk_attention_config``): with ``c = s − l``, keys at ``j mod c``; a query in the key's chunk
-            at ``i mod c``, in the next at ``min(i mod c + c, s)``, further on at ``min(2c − 1, s)``. Needs
-            ``dual_chunk_local``. A checkpoint whose config carries ``dual_chunk_attention_config`` gets it from
-            ``hfa.patch(model)`` with no options.
-        dual_chunk_local: l, DCA's local size (``0 < l < s``). Only with ``dual_chunk_size``.
-        rope_parameters: RoPE rescaling on the loaded model: transformers' own ``rope_parameters`` dict
-            (``{"rope_type": "yarn", "factor": 4.0}``; dynamic, linear, llama3, longrope), in place of the model's
-            (its ``rope_theta`` kept unless given); the model then equals the checkpoint loaded with them.
-        version: the format of the record saved in a model's config (1); not an option.
+        Args:
+            scale: the query multiplier as a function of n, the number of keys a query sees.
+                ``"none"``; ``"logn"``: ``log_L(n)`` (Su's Attention-E), clamped to ``max(1, ·)`` by default
+                as in Qwen's logn attention; ``"ssmax"``: learnable per-head ``s·ln(n)`` (Scalable-Softmax),
+                initialised to ``1/ln(L)`` so it starts equal to ``log_L(n)``; ``"gradmax"``: ``sqrt(ln n / ln L)``,
+                the score scale ``≈ 0.84·sqrt(ln n)`` that maximises the softmax gradient (Su, "Attention's scale
+                from gradient maximisation"), normalised to 1 at the trained length; ``"llama4"``:
+                ``1 + β·ln(1 + ⌊n / L⌋)``, Llama 4's attention temperature tuning (L its ``floor_scale``, 8192);
+                ``"ministral3"``: ``1 + β·ln(1 + ⌊(n − 1) / L⌋)``, Ministral 3's and Mistral 4's query scaling
+                (L their ``original_max_position_embeddings``).
+            train_length: L, the model's trained length (required with a scale, at least 2).
+            clamp: apply ``max(1, ·)`` so lengths up to L are untouched. Defaults to True for ``logn`` and
+                ``gradmax``, False for the others. Only valid with a scale.
+            beta: β of ``llama4`` and ``ministral3`` (default 0.1, the families' own); only valid with them.
+            clipped_softmax: ``(γ, ζ)``: attention probabilities ``clip((ζ − γ)·softmax + γ, 0, 1)`` (Bondarenko
+                et al., 2023; γ ≤ 0 lets a head give a token exactly zero weight, their γ = −α/T), with γ ≤ 0 and
+                ζ ≥ 1; or ``"learnable"``: per-head γ and ζ, initialised to 0 and 1 (the unpatched softmax). Runs
+                the eager formula on every backend. Not with an exit: each is a way for a head to do nothing.
+            gate: a sigmoid gate on each head's output from the token's input hidden state, before the output
+                projection (Bondarenko et al. 2023; Qiu et al. 2025): ``"head"``, one per head, or ``"element"``,
+                one per channel; ``2·sigmoid(x·W + b)`` with ``W = b = 0`` at first, so the patched model starts
+                equal to the original. Learnable, saved and trained with PEFT like the exit's logit.
+            zero_kv: an exit: a zero key and zero value every query sees (softmax-off-by-one).
+            sink_logit: an exit with this logit: a per-head column whose value is zero; a fixed float, or
+                ``"learnable"`` (an ``nn.Parameter`` per head, initialised to 0, which equals ``zero_kv``).
+    {methods}
+            rope_parameters: RoPE rescaling on the loaded model: transformers' own ``rope_parameters`` dict
+                (``{"rope_type": "yarn", "factor": 4.0}``; dynamic, linear, llama3, longrope), in place of the model's
+                (its ``rope_theta`` kept unless given); the model then equals the checkpoint loaded with them.
+            version: the format of the record saved in a model's config (1); not an option.
     """
 
     scale: ScaleName = field(
@@ -195,34 +210,6 @@ class AttnScaleConfig:
     gate: GateKind | None = field(
         default=None,
         metadata=_option("a learnable sigmoid gate on each head's output", choices=GATES, head=True),
-    )
-    rerope_window: int | None = field(
-        default=None,
-        metadata=_option(
-            "ReRoPE's window: distances >= W scored at W (RoPE decoders)", parse=int, metavar="W"
-        ),
-    )
-    rerope_leak: float | None = field(
-        default=None,
-        metadata=_option("leaky ReRoPE: distances >= W at W + (d - W) / K, K > 1", parse=float, metavar="K"),
-    )
-    self_extend_group: int | None = field(
-        default=None,
-        metadata=_option("Self-Extend: group distant positions by G (RoPE decoders)", parse=int, metavar="G"),
-    )
-    self_extend_window: int | None = field(
-        default=None,
-        metadata=_option(
-            "Self-Extend: neighbours nearer than W keep their positions", parse=int, metavar="W"
-        ),
-    )
-    dual_chunk_size: int | None = field(
-        default=None,
-        metadata=_option("Dual Chunk Attention: chunk size S (RoPE decoders)", parse=int, metavar="S"),
-    )
-    dual_chunk_local: int | None = field(
-        default=None,
-        metadata=_option("Dual Chunk Attention: local size L, 0 < L < S", parse=int, metavar="L"),
     )
     rope_parameters: dict[str, Any] | None = field(
         default=None,
@@ -302,21 +289,8 @@ class AttnScaleConfig:
             object.__setattr__(self, "clipped_softmax", (float(clip[0]), float(clip[1])))
         if self.gate is not None and self.gate not in GATES:
             raise ValueError(f"gate must be {' or '.join(map(repr, GATES))} or None, got {self.gate!r}.")
-        if self.rerope_window is not None:
-            object.__setattr__(self, "rerope_window", check_int("rerope_window", self.rerope_window, 1))
-        leak = self.rerope_leak
-        if leak is not None:
-            if self.rerope_window is None:
-                raise ValueError("rerope_leak only applies with rerope_window; pass rerope_window=W too.")
-            if (
-                isinstance(leak, bool)
-                or not isinstance(leak, (int, float))
-                or not math.isfinite(leak)
-                or leak <= 1
-            ):
-                raise ValueError(f"rerope_leak must be a finite float > 1 (Su uses 16), got {leak!r}.")
-            object.__setattr__(self, "rerope_leak", float(leak))
-        self._check_key_parts()
+        for name, value in check_methods({name: getattr(self, name) for name in METHOD_NAMES}).items():
+            object.__setattr__(self, name, value)
         rope = self.rope_parameters
         if rope is not None and (
             not isinstance(rope, dict) or not rope or not all(isinstance(key, str) for key in rope)
@@ -331,35 +305,11 @@ class AttnScaleConfig:
                 "nothing; pass one."
             )
 
-    def _check_key_parts(self) -> None:
-        """Each method of key parts complete, in range, and alone."""
-        for name, other in PAIRED.items():
-            if getattr(self, name) is not None and getattr(self, other) is None:
-                raise ValueError(f"{name} needs {other} too; pass {other}=N.")
-        if self.self_extend_group is not None:
-            group = check_int("self_extend_group", self.self_extend_group, 1)
-            window = check_int("self_extend_window", self.self_extend_window, 1)
-            object.__setattr__(self, "self_extend_group", group)
-            object.__setattr__(self, "self_extend_window", window)
-        if self.dual_chunk_size is not None:
-            size = check_int("dual_chunk_size", self.dual_chunk_size, 2)
-            local = check_int("dual_chunk_local", self.dual_chunk_local, 1)
-            if local >= size:
-                raise ValueError(f"dual_chunk_local must be below dual_chunk_size ({size}), got {local}.")
-            object.__setattr__(self, "dual_chunk_size", size)
-            object.__setattr__(self, "dual_chunk_local", local)
-        given = [name for name in KEY_PART_METHODS if getattr(self, name) is not None]
-        if len(given) > 1:
-            raise ValueError(
-                f"{' and '.join(given)} contradict each other: each is a method of scoring every pair (ReRoPE, "
-                "Self-Extend, Dual Chunk Attention); pass one."
-            )
-
     @property
     def key_parts(self) -> str | None:
-        """The option of the method of key parts in force (``rerope_window``, ``self_extend_group``,
-        ``dual_chunk_size``), or None."""
-        return next((name for name in KEY_PART_METHODS if getattr(self, name) is not None), None)
+        """The option of the method of key parts in force (``rerope_window``, ``self_extend_group``...), or None."""
+        entry = entry_of({name: getattr(self, name) for name in METHOD_NAMES})
+        return None if entry is None else entry.option
 
     @property
     def has_exit(self) -> bool:
@@ -417,20 +367,12 @@ class AttnScaleConfig:
         return cls(**known)
 
 
-KEY_PART_METHODS = ("rerope_window", "self_extend_group", "dual_chunk_size")
-"""The options that name a method of key parts (`hf_attnscale.core.parts.declare`); one at a time."""
-PAIRED = {
-    "self_extend_group": "self_extend_window",
-    "self_extend_window": "self_extend_group",
-    "dual_chunk_size": "dual_chunk_local",
-    "dual_chunk_local": "dual_chunk_size",
-}
-"""The methods' options that need each other."""
-
 OPTIONS: dict[str, Field] = {f.name: f for f in fields(AttnScaleConfig) if f.name != "version"}
 """The patch's options (`AttnScaleConfig`'s fields, with their help and text reading in ``metadata``), as
 `hfa.patch`, the CLI and the lm-eval model type name them."""
 OPTION_NAMES: tuple[str, ...] = tuple(OPTIONS)
+METHOD_NAMES: tuple[str, ...] = tuple(option.name for option in METHOD_OPTIONS)
+"""The methods' options, in the registry's order."""
 
 
 def default_train_length(given: int | None, model_config: Any) -> int | None:

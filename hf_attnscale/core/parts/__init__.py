@@ -1,7 +1,8 @@
-"""Keys in parts under one softmax: the methods that score each (query, key) pair with its part's queries and keys
-rotated at positions of their own (ReRoPE, leaky ReRoPE, Self-Extend, Dual Chunk Attention).
+"""Keys in parts under one softmax: the engine that runs the methods which score each (query, key) pair with its
+part's queries and keys rotated at positions of their own (ReRoPE, Self-Extend, Dual Chunk Attention...).
 
-A method is a declaration (`declare`): its parts, each the pairs it covers and where it rotates queries and keys.
-The engine (`engine`) owns the rest: the call's positions, chunking, decoding, and the executions, the CPU's fused
-parts and the public joined formulation (`key_parts`) and CUDA's flex (`flex_parts`).
+A method is an entry of the registry (`hf_attnscale.core.options.methods`), declared in parts
+(`hf_attnscale.core.options.declare`): each the pairs it covers and where it rotates queries and keys. The engine
+(`engine`) owns the rest: the call's positions, chunking, decoding, and the executions, the CPU's fused parts and
+the public joined formulation (`key_parts`) and CUDA's flex (`flex_parts`).
 """

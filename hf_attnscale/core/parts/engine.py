@@ -1,4 +1,4 @@
-"""The engine: one attention call of a method declared in parts (`hf_attnscale.core.parts.declare`).
+"""The engine: one attention call of a method declared in parts (`hf_attnscale.core.options.declare`).
 
 The patched module's forward rotates its queries and keys at the method's store in place of the model's
 positions (`hf_attnscale.core.install.routing`; ReRoPE's store is RAW: the identity), so the model's cache keeps
@@ -48,8 +48,8 @@ from hf_attnscale.core.call.backends import check_backend
 from hf_attnscale.core.call.hooks import Execution
 from hf_attnscale.core.call.masks import visible_entries
 from hf_attnscale.core.call.rope import CosSin, RotaryFrequencies, RotateFn
+from hf_attnscale.core.options.declare import MOVING, RAW, At, Method, Part
 from hf_attnscale.core.parts import flex_parts, key_parts
-from hf_attnscale.core.parts.declare import MOVING, RAW, At, Method, Part
 from hf_attnscale.core.parts.flex_parts import Band
 from hf_attnscale.core.parts.key_parts import KeyPart
 
@@ -108,6 +108,10 @@ class PartsCall:
         """The method over raw ``query`` ``(B, H, Tq, D)`` and ``key`` / ``value`` ``(B, Hkv, Tk, D)``, causal, the
         queries being the last ``Tq`` keys; ``mask`` None (causal, ``sliding_window`` keys at most) or 4D, bool or
         additive; ``position_ids`` the attention call's, where the layer's were not given. ``(B, Tq, H, Dv)``."""
+        if (
+            self.method.factor != 1.0
+        ):  # on cos/sin of queries and keys: the scores' rotary dims times its square
+            query = rotary_times(query, self.method.factor**2, self.own[0].shape[-1])
         position_ids = self.positions if self.positions is not None else position_ids
         if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[-1] != query.shape[2]):
             position_ids = None  # multimodal RoPE's (3, B, T) sections: not a model the engine serves
@@ -309,6 +313,13 @@ class PartsCall:
             return query, [key]
         near = self.rope(key[:, :, start:], *turn_keys)
         return query, [near] if start == 0 else [key[:, :, :start], near]
+
+
+def rotary_times(x: torch.Tensor, factor: float, width: int) -> torch.Tensor:
+    """``x`` with its first ``width`` dims (the rotary ones) times ``factor``, the rest as they are."""
+    if width >= x.shape[-1]:
+        return x * factor
+    return torch.cat([x[..., :width] * factor, x[..., width:]], dim=-1)
 
 
 def scores_in_place(run: Execution, query: torch.Tensor) -> bool:

@@ -1,6 +1,6 @@
 """A method's key parts under one softmax, on CUDA, through PyTorch's public `flex_attention`.
 
-Each part of a method (`hf_attnscale.core.parts.declare`) covers the pairs of a query at position i and a key at
+Each part of a method (`hf_attnscale.core.options.declare`) covers the pairs of a query at position i and a key at
 j with ``lo ≤ ⌊i/u⌋ − ⌊j/u⌋ < hi`` (and ``j ≤ i``): a band of distance where the unit u is 1 (ReRoPE's near and far
 keys), a relation between chunks otherwise (DCA's). A `Band` is a part's rotated queries, keys and values, and
 the part. Each is one call of the compiled flex kernel over the whole sequence with a block mask built from the
@@ -30,7 +30,7 @@ import torch._dynamo
 
 from hf_attnscale.core.call import first_use
 from hf_attnscale.core.call.masks import softmax_scale
-from hf_attnscale.core.parts.declare import At, Method, Part
+from hf_attnscale.core.options.declare import At, Method, Part
 from hf_attnscale.core.parts.key_parts import Combination, KeyPart, against_definition, merge, plain_parts
 
 ENV_SWITCH = "HF_ATTNSCALE_FLEX_PARTS"

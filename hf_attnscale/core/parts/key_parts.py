@@ -1,5 +1,5 @@
 """One softmax over keys that come in parts, each part scored by its own queries (a method's parts,
-`hf_attnscale.core.parts.declare`).
+`hf_attnscale.core.options.declare`).
 
 A `KeyPart` is queries, keys, values and which keys each query sees. Row i's scores are ``q_p[i] · k_p[j]`` for
 every visible key j of every part p, and one softmax (with the exit, where there is one) runs over all of them.

@@ -1,15 +1,9 @@
-"""The methods, each a declaration of its parts; the engine (`hf_attnscale.core.parts.engine`) runs any of them.
+"""The vocabulary a method of key parts is declared in (`hf_attnscale.core.options.methods`): `At`, `Part`, `Method`.
 
 A query at position i and a key at j ≤ i are scored in exactly one part of a method. A `Part` covers the pairs
 with ``lo ≤ ⌊i/unit⌋ − ⌊j/unit⌋ < hi`` (a band of distance where ``unit`` is 1, a relation between chunks of
 ``unit`` positions otherwise), and scores them as ``(R(q(i)) q) · (R(k(j)) k)``, RoPE at the positions `At` gives
-its queries and keys. The methods' definitions (DESIGN.md):
-
-    ReRoPE (Su 2023)          near (0, w): (i, j)             far [w, ∞): (w, 0)
-    leaky ReRoPE              near (0, w): (i, j)             far [w, ∞): ((i + w(k − 1)) / k, j / k)
-    Self-Extend (Jin 2024)    near (0, w): (i, j)             far [w, ∞): (⌊i/G⌋ + w − ⌊w/G⌋, ⌊j/G⌋)
-    DCA (An 2024), c = s − l  same chunk: (i mod c, j mod c)  next: (min(i mod c + c, s), j mod c)
-                              older chunks: (min(2c − 1, s), j mod c)
+its queries and keys. The engine (`hf_attnscale.core.parts.engine`) runs any such declaration.
 """
 
 from __future__ import annotations
@@ -17,8 +11,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-
-from hf_attnscale.core.options.config import AttnScaleConfig
 
 
 class At(NamedTuple):
@@ -95,14 +87,17 @@ MOVING = At()
 
 
 class Method(NamedTuple):
-    """A method's name, the option that asks for it (its errors start with it), its parts, which together cover
-    every causal pair once, and where the model's cache holds each key (``store``; the call's queries come at
-    the same place): a decoding step turns only the keys whose part places them elsewhere."""
+    """A method's name, its parts, which together cover every causal pair once, where the model's cache holds each
+    key (``store``; the call's queries come at the same place: a decoding step turns only the keys whose part
+    places them elsewhere), the factor its authors put on cos and sin (``factor``, on queries and keys both:
+    every score's rotary dims times its square), and the option that asks for it (``option``: its errors start
+    with it; `hf_attnscale.core.options.methods.method_of` fills it in)."""
 
     name: str
-    option: str
     parts: tuple[Part, ...]
     store: At = RAW
+    factor: float = 1.0
+    option: str = ""
 
     @property
     def by_distance(self) -> bool:
@@ -124,48 +119,3 @@ class Method(NamedTuple):
         the parts have none)."""
         bounds = [b * part.unit for part in self.parts for b in (part.lo, part.hi) if b]
         return min(bounds) if bounds else 1024  # (no `default=`: torch.compile takes min without it)
-
-
-def rerope(window: int, leak: float | None = None) -> Method:
-    """ReRoPE (Su 2023, ``bojone/rerope``): distances ``d ≥ w`` scored at w (leaky: at ``w + (d − w) / k``)."""
-    near = Part(0, window, At(), At())
-    if leak is None:
-        return Method("ReRoPE", "rerope_window", (near, Part(window, None, At(fixed=window), At(fixed=0))))
-    far = Part(window, None, At(shift=window * (leak - 1), slower=leak), At(slower=leak))
-    return Method("leaky ReRoPE", "rerope_window", (near, far), store=far.key)
-
-
-def self_extend(group: int, window: int) -> Method:
-    """Self-Extend (Jin et al. 2024, "LLM Maybe LongLM", ``datamllab/LongLM``): neighbours within ``window`` at
-    their own positions, the rest grouped by ``group`` (LongLM's definition)."""
-    near = Part(0, window, At(), At())
-    far = Part(window, None, At(group=group, shift=window - window // group), At(group=group))
-    return Method("Self-Extend", "self_extend_group", (near, far), store=At(group=group))
-
-
-def dual_chunk(size: int, local: int) -> Method:
-    """Dual Chunk Attention (An et al. 2024, ``HKUNLP/ChunkLlama``; vLLM's): chunks of ``c = size − local``
-    positions from 0, keys at ``j mod c``, queries by how many chunks back the key is."""
-    c = size - local
-    key = At(period=c)
-    return Method(
-        "Dual Chunk Attention",
-        "dual_chunk_size",
-        (
-            Part(0, 1, At(period=c), key, unit=c),
-            Part(1, 2, At(period=c, shift=c, cap=size), key, unit=c),
-            Part(2, None, At(fixed=min(2 * c - 1, size)), key, unit=c),
-        ),
-        store=key,
-    )
-
-
-def method_of(config: AttnScaleConfig) -> Method | None:
-    """The method a patch's options ask for, or None."""
-    if config.rerope_window is not None:
-        return rerope(config.rerope_window, config.rerope_leak)
-    if config.self_extend_group is not None:
-        return self_extend(config.self_extend_group, config.self_extend_window)
-    if config.dual_chunk_size is not None:
-        return dual_chunk(config.dual_chunk_size, config.dual_chunk_local)
-    return None
