@@ -105,6 +105,9 @@ def test_config_is_saved_in_model_config():
         "self_extend_window": None,
         "dual_chunk_size": None,
         "dual_chunk_local": None,
+        "string_shift": None,
+        "string_local": None,
+        "string_factor": None,
         "rope_parameters": None,
         "version": 1,
     }
@@ -265,6 +268,9 @@ def test_every_patch_option_reaches_the_api_the_cli_and_lm_eval():
         "self_extend_window": (["--self-extend-group", "4", "--self-extend-window", "8"], "8", 8),
         "dual_chunk_size": (["--dual-chunk-size", "12", "--dual-chunk-local", "2"], "12", 12),
         "dual_chunk_local": (["--dual-chunk-size", "12", "--dual-chunk-local", "2"], "2", 2),
+        "string_shift": (["--string-shift", "300"], "300", 300),
+        "string_local": (["--string-shift", "12", "--string-local", "4"], "4", 4),
+        "string_factor": (["--string-shift", "300", "--string-factor", "1"], "1.0", 1.0),
         "rope_parameters": (
             ["--rope-parameters", '{"rope_type": "yarn", "factor": 4}'],
             "rope_type=yarn;factor=4",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -115,6 +116,11 @@ def test_eval_reads_recall_beside_perplexity_with_rerope(model_dir, data_file, t
     [
         ({"scale": "logn", "train_length": 16}, "logn(L=16)"),
         ({"rerope_window": 8, "rerope_leak": 16.0}, "leaky ReRoPE(w=8, k=16)"),
+        (
+            {"string_shift": 300, "string_local": 128, "string_factor": 1 + 0.1 * math.log(2)},
+            "STRING(S=300, W=128)",
+        ),
+        ({"string_shift": 300, "string_local": 128, "string_factor": 1.0}, "STRING(S=300, W=128, f=1)"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "yarn(x4)"),
         ({"scale": "ssmax", "train_length": 16, "clamp": True}, "ssmax(L=16) + clamp=True"),
         ({"scale": "logn", "train_length": 16, "clamp": True, "zero_kv": False}, "logn(L=16)"),  # defaults

@@ -35,18 +35,22 @@ from reference import method_positions
 
 import hf_attnscale as hfa
 from hf_attnscale.core.call.rope import RotaryFrequencies
-from hf_attnscale.core.options.methods import dual_chunk, rerope, self_extend
+from hf_attnscale.core.options.methods import dual_chunk, method_of, rerope, self_extend, string
 from hf_attnscale.core.parts import engine, key_parts
 
 SE = {"self_extend_group": 2, "self_extend_window": 4}
 DCA = {"dual_chunk_size": 6, "dual_chunk_local": 2}  # chunks of 4: the 16 tokens reach 3 chunks back
-METHODS = {"self_extend": SE, "dca": DCA}
+STRING = {"string_shift": 6, "string_local": 2}  # far distances 6..15 scored at 2..11, cos/sin × 1 + 0.1 ln 2
+METHODS = {"self_extend": SE, "dca": DCA, "string": STRING}
 OPTIONS = {  # the methods with the other options on top
     "self_extend+logn": {**SE, "scale": "logn", "train_length": 2},
     "dca+logn+zero_kv": {**DCA, "scale": "logn", "train_length": 2, "zero_kv": True},
     "dca+sink_fixed": {**DCA, "sink_logit": 1.5},
     "self_extend+clipped": {**SE, "clipped_softmax": (-0.03, 1.02)},
     "dca+ssmax+gate": {**DCA, "scale": "ssmax", "train_length": 2, "gate": "head"},
+    "string+logn+zero_kv": {**STRING, "scale": "logn", "train_length": 4, "zero_kv": True},  # (log_2 n: too sharp for fp32)
+    "string+sink_learnable": {**STRING, "sink_logit": "learnable"},
+    "string, no factor": {**STRING, "string_factor": 1.0},
 }
 DECLARED = {
     "rerope": rerope(4),
@@ -55,6 +59,8 @@ DECLARED = {
     "self_extend, G > w": self_extend(5, 3),
     "dca": dual_chunk(6, 2),
     "dca, l > c": dual_chunk(7, 4),  # min(2c − 1, s) = s
+    "string": string(6, 2),
+    "string, W = 0": string(5, 0),
 }
 
 
@@ -79,11 +85,20 @@ def test_each_parts_reach_bounds_the_keys_it_covers(name):
             assert high <= next_high and (low is None or low <= next_low)
 
 
-@pytest.mark.parametrize("name", ["self_extend", "self_extend, G > w", "dca", "dca, l > c"])
+@pytest.mark.parametrize(
+    "name", ["self_extend", "self_extend, G > w", "dca", "dca, l > c", "string", "string, W = 0"]
+)
 def test_the_declarations_place_each_pair_as_the_paper_does(name):
     """Each part's positions for the pairs it covers, against the papers' definitions (tests/reference.py)."""
     method = DECLARED[name]
-    args = {"self_extend": (2, 4), "self_extend, G > w": (5, 3), "dca": (6, 2), "dca, l > c": (7, 4)}[name]
+    args = {
+        "self_extend": (2, 4),
+        "self_extend, G > w": (5, 3),
+        "dca": (6, 2),
+        "dca, l > c": (7, 4),
+        "string": (6, 2),
+        "string, W = 0": (5, 0),
+    }[name]
     i, j = torch.arange(40)[:, None], torch.arange(40)[None]
     kind = name.split(",")[0]
     want_q, want_k = method_positions((kind, *args), i.double(), j.double())
@@ -456,6 +471,19 @@ def test_what_reaches_no_far_pair_is_the_unpatched_model(options):
         ({"dual_chunk_size": 8, "dual_chunk_local": 8}, "dual_chunk_local must be below dual_chunk_size"),
         ({**SE, "rerope_window": 8}, "rerope_window and self_extend_group contradict each other"),
         ({**SE, **DCA}, "self_extend_group and dual_chunk_size contradict each other"),
+        ({"string_shift": 4, "string_local": 4}, "string_shift must exceed string_local"),
+        ({"string_shift": 100}, "string_shift must exceed string_local \\(128\\)"),
+        ({"string_shift": 6, "string_local": -1}, "string_local must be an int >= 0"),
+        (
+            {"string_shift": 6, "string_local": 2, "string_factor": 0.0},
+            "string_factor must be a finite float > 0",
+        ),
+        (
+            {"string_shift": 6, "string_local": 2, "string_factor": float("nan")},
+            "string_factor must be a finite",
+        ),
+        ({"string_local": 2}, "string_local needs string_shift too"),
+        ({**STRING, **DCA}, "dual_chunk_size and string_shift contradict each other"),
     ],
 )
 def test_invalid_options_are_one_line(options, message):
@@ -474,7 +502,7 @@ def test_invalid_options_are_one_line(options, message):
         (lambda: tiny_model("bert"), "is an encoder"),
         (
             lambda: sharp_model(attn="flex_attention"),
-            r"(Self-Extend|Dual Chunk Attention) .* needs eager or sdpa",
+            r"(Self-Extend|Dual Chunk Attention|STRING) .* needs eager or sdpa",
         ),
     ],
 )
@@ -500,6 +528,8 @@ def test_calls_it_cannot_serve_are_refused_in_one_line(method):
         },
         "position_ids jump or restart": {"position_ids": (torch.arange(16) % 9)[None], "use_cache": False},
     }
+    if method_of(hfa.get_config(model)).by_distance:  # STRING counts distances in the cache, as ReRoPE does:
+        del refused["position_ids jump or restart"]  # packed sequences pass (tests/core/test_rerope.py)
     for message, arguments in refused.items():
         with pytest.raises(ValueError, match=message) as error:
             model(ids, **arguments)

@@ -48,6 +48,8 @@ OPTIONS = {
     "rerope+clipped": {"rerope_window": WINDOW, "clipped_softmax": (-0.03, 1.02)},
     "rerope+ssmax+gate": {"rerope_window": WINDOW, "scale": "ssmax", "train_length": 2, "gate": "head"},
 }
+BY_DISTANCE = {**OPTIONS, "string": {"string_shift": 6, "string_local": 2}}
+"""With STRING, the other method that counts distances in the cache."""
 
 
 @pytest.mark.parametrize("attn", FORWARD_ATTNS, indirect=True)
@@ -305,13 +307,13 @@ def test_a_left_padded_batch_equals_each_prompt_alone(attn):
     torch.testing.assert_close(batch[1, 3:], alone[0], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("option", ["rerope", "leaky"])
+@pytest.mark.parametrize("option", ["rerope", "leaky", "string"])
 @pytest.mark.parametrize("attn", FORWARD_ATTNS, indirect=True)
 def test_packed_sequences_equal_each_alone(attn, option, monkeypatch):
     """Packed rows, as padding-free training makes them (positions restart, no mask, no cache): transformers
     masks each sequence from the others, so distances counted in the cache are each sequence's own. Their
     positions are checked once per forward, not in every layer."""
-    model = hfa.patch(sharp_model("llama", attn), **OPTIONS[option])
+    model = hfa.patch(sharp_model("llama", attn), **BY_DISTANCE[option])
     first, second = torch.randint(3, SHARP_VOCAB, (1, 9)), torch.randint(3, SHARP_VOCAB, (1, 7))
     positions = torch.cat([torch.arange(9), torch.arange(7)])[None]
     checked = []
@@ -359,13 +361,14 @@ POSITIONS = {  # (inputs for 16 tokens, whether ReRoPE serves them)
 }
 
 
+@pytest.mark.parametrize("option", ["rerope", "string"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"], indirect=True)
 @pytest.mark.parametrize("case", list(POSITIONS))
-def test_positions_that_do_not_run_on_by_one_are_refused_in_one_line(case, attn):
-    """ReRoPE counts distances in the cache: where a query's visible keys' positions jump or restart (and
-    transformers does not mask them apart), the model would score other distances, so the call is refused."""
+def test_positions_that_do_not_run_on_by_one_are_refused_in_one_line(case, attn, option):
+    """ReRoPE (and STRING) count distances in the cache: where a query's visible keys' positions jump or restart
+    (and transformers does not mask them apart), the model would score other distances, so the call is refused."""
     make, served = POSITIONS[case]
-    model = hfa.patch(sharp_model("llama", attn), **OPTIONS["rerope"])
+    model = hfa.patch(sharp_model("llama", attn), **BY_DISTANCE[option])
     ids = torch.randint(3, SHARP_VOCAB, (1, 16))
     inputs = {"input_ids": ids, **make(ids)}
     inputs["position_ids"] = inputs["position_ids"].view(1, -1)
@@ -373,7 +376,9 @@ def test_positions_that_do_not_run_on_by_one_are_refused_in_one_line(case, attn)
         with torch.no_grad():
             model(**inputs)
         return
-    with pytest.raises(ValueError, match="rerope_window: position_ids jump or restart") as error:
+    with pytest.raises(
+        ValueError, match=f"{next(iter(BY_DISTANCE[option]))}: position_ids jump or restart"
+    ) as error:
         model(**inputs)
     assert "\n" not in str(error.value)
 

@@ -12,6 +12,7 @@ methods' definitions (DESIGN.md):
     Self-Extend (Jin 2024)    near (0, w): (i, j)             far [w, ∞): (⌊i/G⌋ + w − ⌊w/G⌋, ⌊j/G⌋)
     DCA (An 2024), c = s − l  same chunk: (i mod c, j mod c)  next: (min(i mod c + c, s), j mod c)
                               older chunks: (min(2c − 1, s), j mod c)
+    STRING (An 2024)          near (0, S): (i, j)             far [S, ∞): (i − S + W, j), cos/sin × factor
 """
 
 from __future__ import annotations
@@ -178,6 +179,39 @@ def _dual_chunk_compare(train_length: int, longest: int) -> tuple[str, dict[str,
     return f"DCA (s={size}, l={local})", {"dual_chunk_size": size, "dual_chunk_local": local}
 
 
+STRING_FACTOR = 1 + 0.1 * math.log(2)
+"""STRING's factor on cos and sin (``HKUNLP/STRING``'s ``attention_factor``: YaRN's at a scale of 2)."""
+STRING_LOCAL = 128
+"""STRING's W when not given: the authors' (they suggest 128, 256 or 512)."""
+
+
+def string(shift: int, local: int, factor: float = STRING_FACTOR) -> Method:
+    """STRING (An et al. 2024, "Why Does the Effective Context Length of LLMs Fall Short?", ``HKUNLP/STRING``): keys
+    at their own positions; a query less than S from its key at its own position, from S on at ``i − S + W``, so
+    a distance d is scored at ``d − S + W``; cos and sin times ``factor``. The authors' two flash calls both hold
+    the key exactly S back (their near window is inclusive); it is counted once here, in the far part, as their
+    decoding step counts it."""
+    near = Part(0, shift, At(), At())
+    far = Part(shift, None, At(shift=local - shift), At())
+    return Method("STRING", (near, far), store=At(), factor=factor)
+
+
+def _string_relate(shift: int, local: int, factor: float) -> None:
+    if shift <= local:
+        raise ValueError(
+            f"string_shift must exceed string_local ({local}), got {shift}: the far part scores a distance d at "
+            "d - S + W, which must be nearer than d."
+        )
+
+
+def _string_compare(train_length: int, longest: int) -> tuple[str, dict[str, Any]]:
+    """W the authors' 128 (at most L/16, for a small model); S a third of T (the authors' 0.33), or T − L + W where
+    that is more, so that no far distance leaves L."""
+    local = max(1, min(STRING_LOCAL, train_length // 16))
+    shift = max(longest // 3, longest - train_length + local, local + 1)
+    return f"STRING (S={shift}, W={local})", {"string_shift": shift, "string_local": local}
+
+
 METHODS: tuple[MethodEntry, ...] = (
     MethodEntry(
         "rerope",
@@ -264,6 +298,50 @@ METHODS: tuple[MethodEntry, ...] = (
         lambda size, local: f"DCA(s={size}, l={local})",
         _dual_chunk_compare,
         relate=_dual_chunk_relate,
+    ),
+    MethodEntry(
+        "string",
+        "STRING",
+        (
+            MethodOption(
+                "string_shift",
+                int,
+                "S",
+                "STRING: distances >= S scored at d - S + W (RoPE decoders)",
+                'STRING\'s shift S (An et al. 2024, "Why Does the Effective Context Length of LLMs Fall Short?"): '
+                "keys at their own positions, a query less than S from its key at its own, one at S or more at "
+                "``i − S + W``, so a distance d is scored at ``d − S + W``: the rarely trained large distances "
+                "replaced by well-trained ones. The authors suggest S from 0.25 to 0.4 of the length read; past "
+                "the trained length L, ``S ≥ T − L + W`` keeps every far distance inside it at T tokens. Must "
+                "exceed ``string_local``.",
+            ),
+            MethodOption(
+                "string_local",
+                int,
+                "W",
+                f"STRING: where distance S lands, W < S (default {STRING_LOCAL})",
+                f"STRING's W, the distance the key S back is scored at (default {STRING_LOCAL}, the authors'; "
+                "they suggest 256 or 512 where 128 reads poorly). Only with ``string_shift``.",
+                least=0,
+                default=STRING_LOCAL,
+            ),
+            MethodOption(
+                "string_factor",
+                float,
+                "F",
+                f"STRING: cos and sin times F (default 1 + 0.1 ln 2 = {STRING_FACTOR:.4f}; 1 turns it off)",
+                "STRING's factor on cos and sin, of queries and keys both (so the scores' rotary dims times its "
+                "square): by default the authors' ``1 + 0.1·ln 2``, as YaRN's attention factor; ``1.0`` turns it "
+                "off. Only with ``string_shift``.",
+                least=0,
+                above=True,
+                default=STRING_FACTOR,
+            ),
+        ),
+        string,
+        lambda s, w, f: f"STRING(S={s}, W={w}" + ("" if f == STRING_FACTOR else f", f={f:g}") + ")",
+        _string_compare,
+        relate=_string_relate,
     ),
 )
 """Every method of key parts, in the order flags, help and tables list them; one at a time in a patch."""
