@@ -24,6 +24,7 @@ Sections (`real/`):
              directly before the question)
   extend     Self-Extend and Dual Chunk Attention (with and without logn) beside ReRoPE, YaRN and dynamic NTK
   eightx     SmolLM2 at 64k (8x): perplexity by position and passkeys, the favoured patches against RoPE rescaling
+  shifted    STRING inside the trained length (8k) and at 2x (16k): perplexity by position and passkeys
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from real import (
     recall,
     rerope,
     retrofit,
+    shifted,
     streams,
 )
 from real.context import TRAINED_LENGTH, Context
@@ -66,6 +68,7 @@ SECTIONS: dict[str, Callable[[Context], str]] = {
     "depth100": depth100.run,
     "extend": extend.run,
     "eightx": eightx.run,
+    "shifted": shifted.run,
 }
 
 
