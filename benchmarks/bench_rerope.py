@@ -1,5 +1,5 @@
 """The parts engine's cost on SmolLM2-135M (issues 55, 71): one forward over ``--tokens`` tokens and a decode step
-after it, patched with ReRoPE, Self-Extend or DCA (+ logn) against the unpatched model, each variant in a fresh process, interleaved, medians
+after it, patched with ReRoPE, Self-Extend, DCA or STRING (+ logn) against the unpatched model, each variant in a fresh process, interleaved, medians
 of ``--repeats`` runs:
 
     python benchmarks/bench_rerope.py --tokens 16384 --repeats 3
@@ -48,6 +48,8 @@ VARIANTS = {  # name: (patch options, environment)
     # compare's defaults for a model trained at 8k read to 32k (RESULTS section 11's)
     "Self-Extend + logn": ({"self_extend_group": 5, "self_extend_window": 2048, **LOGN}, {}),
     "DCA + logn": ({"dual_chunk_size": 6144, "dual_chunk_local": 512, **LOGN}, {}),
+    # STRING at 16k with every far distance inside 8k: S = 16,384 - 8,192 + 128 (RESULTS section 11b's)
+    "STRING + logn": ({"string_shift": 8320, "string_local": 128, **LOGN}, {}),
 }
 """The default ReRoPE takes the device's fast path: the CPU's fused key parts (`hf_attnscale.core.parts.key_parts`),
 CUDA's flex key bands (`hf_attnscale.core.parts.flex_parts`); the public formulation, doubled channels through

@@ -35,7 +35,10 @@ LOGN = {"scale": "logn", "train_length": TRAINED_LENGTH[MODEL]}
 METHODS = {
     f"STRING S{STRING_INSIDE['string_shift']} W128": (INSIDE, STRING_INSIDE),
     "unpatched": (INSIDE, {}),
-    f"STRING S{STRING_INSIDE['string_shift']} W128, factor 1": (INSIDE, {**STRING_INSIDE, "string_factor": 1.0}),
+    f"STRING S{STRING_INSIDE['string_shift']} W128, factor 1": (
+        INSIDE,
+        {**STRING_INSIDE, "string_factor": 1.0},
+    ),
     f"STRING S{STRING_PAST['string_shift']} W128": (PAST, STRING_PAST),
     f"STRING S{STRING_PAST['string_shift']} W128 + logn": (PAST, {**STRING_PAST, **LOGN}),
 }
@@ -118,7 +121,9 @@ def report(results: dict[Cell, dict], out: Path) -> str:
             document = results.get((label, GENESIS, 0.0))
             if label == "unpatched":
                 document = section_10.get(("unpatched", GENESIS, 0.0, 0))
-            ppl_rows.append([label, *[f"{document[f'ppl_{b},none']:,.2f}" if document else "-" for b in buckets]])
+            ppl_rows.append(
+                [label, *[f"{document[f'ppl_{b},none']:,.2f}" if document else "-" for b in buckets]]
+            )
             prompts = [results.get((label, PASSKEY_TASKS[length], depth)) for depth in DEPTHS]
             key_rows.append([label, *[_found(prompt) for prompt in prompts]])
             cost_rows.append(
@@ -135,7 +140,10 @@ def report(results: dict[Cell, dict], out: Path) -> str:
                 source = section_10 if label != "Self-Extend G5 w2048 + logn" else earlier
                 document = source.get((label, GENESIS, 0.0, 0))
                 ppl_rows.append(
-                    [f"{label} (§10/§11)", *[f"{document[f'ppl_{b},none']:,.2f}" if document else "-" for b in buckets]]
+                    [
+                        f"{label} (§10/§11)",
+                        *[f"{document[f'ppl_{b},none']:,.2f}" if document else "-" for b in buckets],
+                    ]
                 )
                 prompts = [source.get((label, PASSKEY_TASKS[length], depth, 0)) for depth in DEPTHS]
                 key_rows.append([f"{label} (§10/§11, seed 0)", *[_found(prompt) for prompt in prompts]])

@@ -91,6 +91,7 @@ def patch(model: M, *, config: AttnScaleConfig | None = None, **options: Any) ->
         >>> hfa.patch(model, rope_parameters={"rope_type": "yarn", "factor": 4.0})  # YaRN on a loaded model
         >>> hfa.patch(model, self_extend_group=4, self_extend_window=1024)  # Self-Extend
         >>> hfa.patch(model, dual_chunk_size=6144, dual_chunk_local=512)  # Dual Chunk Attention
+        >>> hfa.patch(model, string_shift=8320, string_local=128)  # STRING
     """
     requested = AttnScaleConfig.from_options(**options)
     if config is not None and requested is not None:

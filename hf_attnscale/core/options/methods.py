@@ -20,10 +20,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hf_attnscale.core.options.declare import At, Method, Part
 from hf_attnscale.core.options.validation import check_int
+
+if TYPE_CHECKING:
+    from hf_attnscale.core.options.declare import Method
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,8 @@ RERoPE_WINDOW_SHARE = 4
 
 def rerope(window: int, leak: float | None = None) -> Method:
     """ReRoPE (Su 2023, ``bojone/rerope``): distances ``d ≥ w`` scored at w (leaky: at ``w + (d − w) / k``)."""
+    from hf_attnscale.core.options.declare import At, Method, Part  # torch: only once a method is declared
+
     near = Part(0, window, At(), At())
     if leak is None:
         return Method("ReRoPE", (near, Part(window, None, At(fixed=window), At(fixed=0))))
@@ -142,6 +146,8 @@ def _rerope_compare(train_length: int, longest: int) -> tuple[str, dict[str, Any
 def self_extend(group: int, window: int) -> Method:
     """Self-Extend (Jin et al. 2024, "LLM Maybe LongLM", ``datamllab/LongLM``): neighbours within ``window`` at
     their own positions, the rest grouped by ``group`` (LongLM's definition)."""
+    from hf_attnscale.core.options.declare import At, Method, Part  # torch: only once a method is declared
+
     near = Part(0, window, At(), At())
     far = Part(window, None, At(group=group, shift=window - window // group), At(group=group))
     return Method("Self-Extend", (near, far), store=At(group=group))
@@ -158,6 +164,8 @@ def _self_extend_compare(train_length: int, longest: int) -> tuple[str, dict[str
 def dual_chunk(size: int, local: int) -> Method:
     """Dual Chunk Attention (An et al. 2024, ``HKUNLP/ChunkLlama``; vLLM's): chunks of ``c = size − local``
     positions from 0, keys at ``j mod c``, queries by how many chunks back the key is."""
+    from hf_attnscale.core.options.declare import At, Method, Part  # torch: only once a method is declared
+
     c = size - local
     key = At(period=c)
     parts = (
@@ -191,6 +199,8 @@ def string(shift: int, local: int, factor: float = STRING_FACTOR) -> Method:
     a distance d is scored at ``d − S + W``; cos and sin times ``factor``. The authors' two flash calls both hold
     the key exactly S back (their near window is inclusive); it is counted once here, in the far part, as their
     decoding step counts it."""
+    from hf_attnscale.core.options.declare import At, Method, Part  # torch: only once a method is declared
+
     near = Part(0, shift, At(), At())
     far = Part(shift, None, At(shift=local - shift), At())
     return Method("STRING", (near, far), store=At(), factor=factor)
@@ -206,9 +216,12 @@ def _string_relate(shift: int, local: int, factor: float) -> None:
 
 def _string_compare(train_length: int, longest: int) -> tuple[str, dict[str, Any]]:
     """W the authors' 128 (at most L/16, for a small model); S a third of T (the authors' 0.33), or T − L + W where
-    that is more, so that no far distance leaves L."""
+    that is more, so that no far distance leaves L; where that S itself passes L (T > 2L − W), the S at which the
+    near and the far part reach equally far, ``(T + W + 1) / 2``."""
     local = max(1, min(STRING_LOCAL, train_length // 16))
     shift = max(longest // 3, longest - train_length + local, local + 1)
+    if shift > train_length:  # past 2L no S keeps both parts inside L: the S that keeps the largest least
+        shift = (longest + local + 1) // 2
     return f"STRING (S={shift}, W={local})", {"string_shift": shift, "string_local": local}
 
 
