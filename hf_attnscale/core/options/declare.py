@@ -8,9 +8,10 @@ its queries and keys. The engine (`hf_attnscale.core.parts.engine`) runs any suc
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import torch
+if TYPE_CHECKING:  # tensors are used through their own methods: importing the vocabulary costs no torch
+    import torch
 
 
 class At(NamedTuple):
@@ -27,12 +28,12 @@ class At(NamedTuple):
     def value(self, p: torch.Tensor) -> torch.Tensor:
         """The position before slowing, float64 (RoPE's frequencies are divided by ``slower``)."""
         if self.fixed is not None:
-            return torch.full_like(p, self.fixed, dtype=torch.float64)
+            return p.double().new_full(p.shape, self.fixed)
         if self.period is not None:
-            p = torch.remainder(p, self.period)
+            p = p.remainder(self.period)
         elif self.group != 1:
-            p = torch.div(p, self.group, rounding_mode="floor")
-        p = p.to(torch.float64) + self.shift
+            p = p.div(self.group, rounding_mode="floor")
+        p = p.double() + self.shift
         return p if self.cap is None else p.clamp_max(self.cap)
 
     def angle(self, p: torch.Tensor) -> torch.Tensor:
@@ -57,9 +58,7 @@ class Part(NamedTuple):
 
     def covers(self, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
         """Which pairs of positions ``i``, ``j`` (broadcast) the part covers, bool."""
-        apart = torch.div(i, self.unit, rounding_mode="floor") - torch.div(
-            j, self.unit, rounding_mode="floor"
-        )
+        apart = i.div(self.unit, rounding_mode="floor") - j.div(self.unit, rounding_mode="floor")
         covered = (j <= i) & (apart >= self.lo)
         return covered if self.hi is None else covered & (apart < self.hi)
 

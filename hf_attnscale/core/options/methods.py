@@ -20,12 +20,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from hf_attnscale.core.options.declare import At, Method, Part
 from hf_attnscale.core.options.validation import check_int
-
-if TYPE_CHECKING:
-    from hf_attnscale.core.options.declare import Method
 
 
 @dataclass(frozen=True)
@@ -125,7 +123,6 @@ RERoPE_WINDOW_SHARE = 4
 
 def rerope(window: int, leak: float | None = None) -> Method:
     """ReRoPE (Su 2023, ``bojone/rerope``): distances ``d ≥ w`` scored at w (leaky: at ``w + (d − w) / k``)."""
-    from hf_attnscale.core.options.declare import At, Method, Part  # torch: only once a method is declared
 
     near = Part(0, window, At(), At())
     if leak is None:
@@ -146,7 +143,6 @@ def _rerope_compare(train_length: int, longest: int) -> tuple[str, dict[str, Any
 def self_extend(group: int, window: int) -> Method:
     """Self-Extend (Jin et al. 2024, "LLM Maybe LongLM", ``datamllab/LongLM``): neighbours within ``window`` at
     their own positions, the rest grouped by ``group`` (LongLM's definition)."""
-    from hf_attnscale.core.options.declare import At, Method, Part  # torch: only once a method is declared
 
     near = Part(0, window, At(), At())
     far = Part(window, None, At(group=group, shift=window - window // group), At(group=group))
@@ -164,7 +160,6 @@ def _self_extend_compare(train_length: int, longest: int) -> tuple[str, dict[str
 def dual_chunk(size: int, local: int) -> Method:
     """Dual Chunk Attention (An et al. 2024, ``HKUNLP/ChunkLlama``; vLLM's): chunks of ``c = size − local``
     positions from 0, keys at ``j mod c``, queries by how many chunks back the key is."""
-    from hf_attnscale.core.options.declare import At, Method, Part  # torch: only once a method is declared
 
     c = size - local
     key = At(period=c)
@@ -199,7 +194,6 @@ def string(shift: int, local: int, factor: float = STRING_FACTOR) -> Method:
     a distance d is scored at ``d − S + W``; cos and sin times ``factor``. The authors' two flash calls both hold
     the key exactly S back (their near window is inclusive); it is counted once here, in the far part, as their
     decoding step counts it."""
-    from hf_attnscale.core.options.declare import At, Method, Part  # torch: only once a method is declared
 
     near = Part(0, shift, At(), At())
     far = Part(shift, None, At(shift=local - shift), At())
