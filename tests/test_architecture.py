@@ -35,6 +35,7 @@ LAZY_ALLOWED = (
     "lm_eval",
     "matplotlib",
     "datasets",
+    "nltk",  # the [ruler] extra
     "torch.nn.attention.flex_attention",
     "transformers.models.auto",
 )

@@ -253,20 +253,25 @@ def _check_hub_reachable(repo: str, filename: str = "config.json") -> None:
     """Fail fast for a Hub id that is not cached when the Hub is off (instead of retrying for a minute)."""
     if cached_file(repo, filename, local_files_only=True, _raise_exceptions_for_missing_entries=False):
         return
-    reason = None
-    if huggingface_hub.constants.HF_HUB_OFFLINE:
-        reason = "HF_HUB_OFFLINE is set"
-    else:
-        endpoint = huggingface_hub.constants.ENDPOINT
-        try:
-            urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=HUB_PROBE_SECONDS)
-        except urllib.error.HTTPError:
-            pass  # the Hub answered
-        except (OSError, ValueError) as err:
-            reason = f"{endpoint} cannot be reached ({type(err).__name__})"
+    reason = hub_unavailable()
     if reason is not None:
         raise FileNotFoundError(
             f"Model {repo!r} is not a local directory and is not in the Hugging Face cache, and the Hub cannot "
             f"be used: {reason}. Pass a saved model directory or a real checkpoint's name "
             f"({', '.join(REAL_CHECKPOINTS)}), or download the model where the Hub is reachable."
         )
+
+
+def hub_unavailable() -> str | None:
+    """Why the Hugging Face Hub cannot be used now (``HF_HUB_OFFLINE`` set, or no answer within
+    `HUB_PROBE_SECONDS`), or None where it answers."""
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    endpoint = huggingface_hub.constants.ENDPOINT
+    try:
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=HUB_PROBE_SECONDS)
+    except urllib.error.HTTPError:
+        pass  # the Hub answered
+    except (OSError, ValueError) as err:
+        return f"{endpoint} cannot be reached ({type(err).__name__})"
+    return None

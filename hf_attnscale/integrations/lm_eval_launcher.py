@@ -21,7 +21,8 @@ import sys
 from collections.abc import Iterator, Sequence
 
 from hf_attnscale.checkpoints.real import FetchError
-from hf_attnscale.integrations.lm_eval_model import ModelArgsError, register
+from hf_attnscale.integrations.lm_eval_model import MODEL_TYPE, ModelArgsError, register
+from hf_attnscale.integrations.lm_eval_ruler import RulerError, offline_and_cached, prepare_run
 from hf_attnscale.integrations.lm_eval_tasks_data import TASKS_DIR
 
 HELP_PREFACE = (
@@ -39,13 +40,19 @@ TASKS_NOT_FOUND = "Tasks not found: "
 def main(argv: Sequence[str] | None = None) -> int:
     """Run lm-eval's own CLI with ``argv`` (default: ``sys.argv[1:]``) after registering ``hf-attnscale``.
 
+    RULER's tasks run offline, their samples built once (`hf_attnscale.integrations.lm_eval_ruler`).
+
     Returns the exit status: 0, or 2 after a bad ``--model_args`` value for ``hf-attnscale`` (a
-    `ModelArgsError`), a real checkpoint that could not be fetched, or a task name lm-eval does not know (with
-    the nearest names it knows, `unknown_tasks`), each printed as one line on stderr
+    `ModelArgsError`), a real checkpoint that could not be fetched, a RULER run that cannot start here
+    (`RulerError`), or a task name lm-eval does not know (with the nearest names it knows, `unknown_tasks`),
+    each printed as one line on stderr
     (``hf-attnscale lm-eval: error: ...``). Anything else that fails inside lm-eval keeps its traceback;
     lm-eval's own usage errors exit through argparse (status 2).
     """
-    from lm_eval.__main__ import cli_evaluate  # lm-eval's whole CLI: imported only when it runs
+    from lm_eval._cli import (
+        HarnessCLI,
+    )  # lm-eval's whole CLI (as its own cli_evaluate runs it): only when it runs
+    from lm_eval.utils import setup_logging
 
     register()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -67,9 +74,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     saved, sys.argv = sys.argv, ["lm-eval", *argv]
     managers: list = []
     try:
-        with _task_managers_kept(managers):
-            cli_evaluate()
-    except (ModelArgsError, FetchError) as err:
+        setup_logging()
+        cli = HarnessCLI()
+        args = cli.parse_args()
+        ruler = args.command == "run" and prepare_run(args, MODEL_TYPE)
+        with _task_managers_kept(managers), offline_and_cached() if ruler else contextlib.nullcontext():
+            cli.execute(args)
+    except (ModelArgsError, FetchError, RulerError) as err:
         print(f"hf-attnscale lm-eval: error: {err}", file=sys.stderr)
         return 2
     except ValueError as err:
