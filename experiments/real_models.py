@@ -25,6 +25,8 @@ Sections (`real/`):
   extend     Self-Extend and Dual Chunk Attention (with and without logn) beside ReRoPE, YaRN and dynamic NTK
   eightx     SmolLM2 at 64k (8x): perplexity by position and passkeys, the favoured patches against RoPE rescaling
   shifted    STRING inside the trained length (8k) and at 2x (16k): perplexity by position and passkeys
+  ruler      RULER's six synthetic tasks through lm-eval: the unchanged model at 4k and 8k, every method at 16k,
+             the three best at 32k
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from real import (
     recall,
     rerope,
     retrofit,
+    ruler,
     shifted,
     streams,
 )
@@ -69,6 +72,7 @@ SECTIONS: dict[str, Callable[[Context], str]] = {
     "extend": extend.run,
     "eightx": eightx.run,
     "shifted": shifted.run,
+    "ruler": ruler.run,
 }
 
 

@@ -116,3 +116,35 @@ def test_section_10b_runs_each_tier_over_every_seed_before_the_next(depth100):
         assert {label for label, _, _ in block} == tier
         runs = [(seed > 0, n > 16384) for _, n, seed in block]  # seed 0 first, then 16k before 32k
         assert runs == sorted(runs)
+
+
+@pytest.fixture
+def ruler(monkeypatch):
+    """Section 13's module."""
+    return section_module(monkeypatch, "ruler")
+
+
+def test_section_13_reads_the_ceiling_first_then_what_it_leaves_past_it(ruler):
+    first = ruler.cells({})
+    assert first[:12] == [("unpatched", task, n) for n in (4096, 8192) for task in ruler.SYNTHETIC]
+    assert (
+        len(first) == 12 + 8 * 6 + 3 * 6
+    )  # every task at 16k and, until 16k is in, the first three methods at 32k
+    at_8k = {
+        ("unpatched", task, 8192): {"score": 0.0 if task.startswith("niah_multikey") else 0.1}
+        for task in ruler.SYNTHETIC
+    }
+    tasks = [task for task in ruler.SYNTHETIC if not task.startswith("niah_multikey")]
+    decided = ruler.cells(at_8k)
+    assert {task for _, task, n in decided if n > 8192} == set(tasks)
+    scores = dict(zip(ruler.methods(), (0.1, 0.5, 0.3, 0.9, 0.0, 0.2, 0.4, 0.6)))
+    at_16k = {(label, task, 16384): {"score": scores[label]} for label in ruler.methods() for task in tasks}
+    best = [label for label, _, n in ruler.cells({**at_8k, **at_16k}) if n == 32768]
+    assert best[:: len(tasks)] == ["Self-Extend G5 w2048 + logn", "DCA s6144 l512", "unpatched"]
+
+
+def test_section_13s_intervals_hold_their_means(ruler):
+    low, high = ruler.interval([1.0] * 20)
+    assert 0.83 < low < 0.84 and high == 1.0  # Wilson's, 20 of 20
+    low, high = ruler.interval([0.0, 0.5, 1.0, 0.25, 0.75] * 2)
+    assert low < 0.5 < high and low >= 0.0 and high <= 1.0
