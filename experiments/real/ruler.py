@@ -74,8 +74,10 @@ def scored(task: str, model_args: dict, metadata: dict, limit: int, threads: int
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
+    from hf_attnscale.integrations.lm_eval_model import register
     from hf_attnscale.integrations.lm_eval_ruler import offline_and_cached
 
+    register()
     torch.set_num_threads(threads)
     started = time.perf_counter()
     with offline_and_cached():
