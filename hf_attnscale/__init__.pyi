@@ -32,6 +32,7 @@ from .integrations.peft_adapters import (
     lora_config as lora_config,
     trainable_parameters as trainable_parameters,
 )
+from .integrations.pose import PoSECollator as PoSECollator, pose_position_ids as pose_position_ids
 from .streaming.cache import SinkCache as SinkCache
 
 __version__: str
