@@ -113,16 +113,21 @@ def attention_projections(model: nn.Module) -> list[str]:
     return sorted(targets)
 
 
-def lora_config(model: nn.Module, *, train_patch: bool = True, **lora_kwargs: Any) -> LoraConfig:
+def lora_config(
+    model: nn.Module, *, train_patch: bool = True, long_context: bool = False, **lora_kwargs: Any
+) -> LoraConfig:
     """A ``peft.LoraConfig`` for ``model`` that also trains and saves the patch's parameters.
 
     Defaults, each overridable through ``lora_kwargs``: ``target_modules`` = the attention projections
     (`attention_projections`), ``task_type`` from the model's head (``CAUSAL_LM`` for ``...ForCausalLM``).
     When the patch has parameters (``sink_logit="learnable"``, ``scale="ssmax"``,
     ``clipped_softmax="learnable"``, ``gate=``) and ``train_patch`` is True,
-    ``"hfa"`` is added to ``modules_to_save``. The returned config records the patch in force (None for an
-    unpatched model); ``PeftModel.save_pretrained`` then writes it to ``attn_scale.json`` beside the adapter,
-    and `load_adapter` checks it.
+    ``"hfa"`` is added to ``modules_to_save``. With ``long_context``, LongLoRA's LoRA+ (Chen et al. 2024: LoRA
+    alone does not learn a longer context): the input embeddings and every normalization layer are trained and
+    saved too (`long_context_modules`, added to ``modules_to_save``), tied output embeddings kept tied
+    (PEFT's ``ensure_weight_tying``). The returned config records the patch in force (None for an unpatched
+    model); ``PeftModel.save_pretrained`` then writes it to ``attn_scale.json`` beside the adapter, and
+    `load_adapter` checks it.
 
     Example:
         >>> peft_model = peft.get_peft_model(model, hfa.lora_config(model, r=8, lora_alpha=16))
@@ -136,13 +141,28 @@ def lora_config(model: nn.Module, *, train_patch: bool = True, **lora_kwargs: An
     task_type = _task_type(base)
     if task_type is not None:
         kwargs.setdefault("task_type", task_type)
-    has_parameters = any(True for _ in trainable_parameters(base))
-    if train_patch and has_parameters:
-        saved = list(kwargs.get("modules_to_save") or [])
-        kwargs["modules_to_save"] = [*saved, STATE_NAME] if STATE_NAME not in saved else saved
+    saved = list(kwargs.get("modules_to_save") or [])
+    if train_patch and any(True for _ in trainable_parameters(base)):
+        saved.append(STATE_NAME)
+    if long_context:
+        saved += long_context_modules(base)
+        if getattr(base.config.get_text_config(), "tie_word_embeddings", False):
+            kwargs.setdefault("ensure_weight_tying", True)
+    if saved:
+        kwargs["modules_to_save"] = list(dict.fromkeys(saved))
     config = _lora_config_class()(**kwargs)
     config.attn_scale = None if patch_config is None else patch_config.to_dict()
     return config
+
+
+def long_context_modules(model: nn.Module) -> list[str]:
+    """The names PEFT's ``modules_to_save`` takes for LongLoRA's LoRA+: the input embeddings' and every
+    normalization layer's (a module whose class name holds ``Norm``), each as its last name component."""
+    names = {id(m): n for n, m in model.named_modules()}
+    embeddings = model.get_input_embeddings()
+    found = [names[id(embeddings)].rpartition(".")[2]]
+    found += [n.rpartition(".")[2] for n, m in model.named_modules() if "Norm" in type(m).__name__ and n]
+    return list(dict.fromkeys(found))
 
 
 def _check_not_offloaded(model: nn.Module) -> None:

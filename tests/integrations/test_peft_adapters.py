@@ -577,3 +577,31 @@ def test_perplexity_through_a_peft_wrapper_passes_the_cache_as_the_model_names_i
             return hfa.perplexity(m, ids, cache, method=method, chunk_size=8, progress=False).nll
 
     torch.testing.assert_close(ppl(wrapped), ppl(model), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_long_context_trains_embeddings_and_norms_beside_lora_and_reloads(tied, tmp_path):
+    """LongLoRA's LoRA+: the input embeddings and every norm train with LoRA and come back with the adapter;
+    tied output embeddings stay tied."""
+    model = sharp_model(tie_word_embeddings=tied)
+    hfa.patch(model, scale="logn", train_length=16)
+    peft_model = get_peft_model(model, hfa.lora_config(model, r=4, long_context=True))
+    trained = {n for n, p in peft_model.named_parameters() if p.requires_grad}
+    kinds = {("lora" if "lora_" in n else n.split(".modules_to_save.")[0].rpartition(".")[2]) for n in trained}
+    assert kinds == {"lora", "embed_tokens", "input_layernorm", "post_attention_layernorm", "norm"}
+    ids = torch.randint(0, SHARP_VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+    optimizer = torch.optim.SGD([p for p in peft_model.parameters() if p.requires_grad], lr=0.05)
+    for _ in range(2):
+        peft_model(ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    base = peft_model.base_model.model
+    embedding = base.get_input_embeddings()
+    assert not torch.equal(embedding.weight, embedding.original_module.weight)  # the copy trained
+    if tied:
+        assert base.get_output_embeddings().weight is embedding.weight
+    peft_model.eval()
+    expected = peft_model(ids).logits
+    peft_model.save_pretrained(tmp_path / "adapter")
+    reloaded = hfa.load_adapter(sharp_model(tie_word_embeddings=tied), tmp_path / "adapter")
+    torch.testing.assert_close(reloaded(ids).logits, expected, rtol=0, atol=1e-5)
