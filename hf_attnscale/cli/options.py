@@ -41,7 +41,7 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--model``, ``--gguf-file`` and ``--attn-implementation``."""
+    """``--model``, ``--gguf-file``, ``--attn-implementation`` and ``--peft``."""
     parser.add_argument(
         "--model",
         help="local directory, Hugging Face Hub id, .gguf file, or a real checkpoint's name (smollm2-135m, "
@@ -56,6 +56,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--attn-implementation", default="sdpa", help="attention backend to load (default sdpa)"
+    )
+    parser.add_argument(
+        "--peft",
+        metavar="ADAPTER",
+        help="a PEFT adapter (folder or Hub id) to load onto --model with the patch it was trained under, then "
+        "merge (hfa.load_adapter; needs the [peft] extra)",
     )
 
 
@@ -231,12 +237,16 @@ def dtype(name: str, default: str | None = None) -> Any:
 
 def load_model(args: argparse.Namespace, on: torch.device) -> tuple[Any, Any, str]:
     """The model named by ``--model`` (and ``--gguf-file``), loaded on ``on`` with ``--dtype`` and
-    ``--attn-implementation``: ``(model, tokenizer, kind)`` (see `hf_attnscale.checkpoints.models.load_model`)."""
+    ``--attn-implementation``, with ``--peft``'s adapter loaded and merged: ``(model, tokenizer, kind)`` (see
+    `hf_attnscale.checkpoints.models.load_model`)."""
     from hf_attnscale.checkpoints import models
+    from hf_attnscale.integrations.peft_adapters import check_adapter_path, load_adapter
 
     progress = getattr(args, "progress", None)
     progress = sys.stderr.isatty() if progress is None else progress
-    return models.load_model(
+    adapter = getattr(args, "peft", None)
+    check_adapter_path(adapter)
+    model, tokenizer, kind = models.load_model(
         model_source(args),
         on,
         dtype(args.dtype),
@@ -244,6 +254,9 @@ def load_model(args: argparse.Namespace, on: torch.device) -> tuple[Any, Any, st
         gguf_file=args.gguf_file,
         progress=progress,
     )
+    if adapter is not None:
+        model = load_adapter(model, adapter).merge_and_unload().eval()  # the merged model stays patched
+    return model, tokenizer, kind
 
 
 def model_source(args: argparse.Namespace) -> str:

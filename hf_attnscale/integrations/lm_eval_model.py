@@ -51,6 +51,7 @@ from hf_attnscale.evaluation.perplexity import (
 from hf_attnscale.evaluation.positions import position_buckets as read_buckets
 from hf_attnscale.evaluation.processes import join_processes
 from hf_attnscale.evaluation.variants import unchanged_within
+from hf_attnscale.integrations.peft_adapters import check_adapter_path, load_adapter
 from hf_attnscale.streaming.cache import SinkCache, cache_settings
 from hf_attnscale.streaming.spec import check_streaming_model
 
@@ -125,6 +126,10 @@ class HFAttnScaleLM(HFLM):
             to a plain model (`hf_attnscale.from_pretrained`).
         position_buckets: the edges of the perplexity tasks' position buckets, ``"2048;4096;8192"``
             (`PositionPerplexityTask`; lm-eval hands model_args to the tasks as metadata). Checked here only.
+        peft: a PEFT adapter (a folder or a Hub id), as lm-eval's ``hf`` takes it, loaded with the patch it was
+            trained under (`hf_attnscale.load_adapter`: the base is patched as the adapter saved it, and patch
+            options given here that differ from it are refused), then merged into the model (``merge_and_unload``:
+            every request reads a plain patched model). Needs ``pip install "hf_attnscale[peft]"``.
         **kwargs: everything ``HFLM`` takes (``max_length``, ``dtype``, ``device``, ``batch_size``...), and,
             through it, what transformers' ``from_pretrained`` takes (``attn_implementation``, a config field).
 
@@ -143,11 +148,13 @@ class HFAttnScaleLM(HFLM):
         chunk_size: int = 512,
         gguf_file: str | None = None,
         position_buckets: Any = None,
+        peft: str | None = None,
         **kwargs: Any,
     ) -> None:
         # Validate everything before the model loads, which can take minutes: each error is one line.
         try:
             read_buckets(as_written(position_buckets))  # read by the tasks, from their metadata
+            check_adapter_path(peft)
             config, pretrained, gguf_file = self._check_model_args(
                 pretrained, sink_tokens, window, chunk_size, gguf_file, kwargs
             )
@@ -174,8 +181,18 @@ class HFAttnScaleLM(HFLM):
             if note is not None and self.rank == 0:
                 print(note, file=sys.stderr, flush=True)
             patch(model, config=config)
-        elif get_config(model) is None and (window is not None or read_saved_config(model.config)):
+        elif (
+            get_config(model) is None
+            and peft is None
+            and (window is not None or read_saved_config(model.config))
+        ):
             patch(model)  # the saved patch (with its learned parameters), or the identity one for streaming
+        if peft is not None:
+            try:
+                adapted = load_adapter(model, peft)  # patches an unpatched base as the adapter saved it
+            except ValueError as err:
+                raise ModelArgsError(err) from err
+            self._model = model = adapted.merge_and_unload().eval()  # the merged model stays patched
         if window is not None:
             check_streaming_model(model)
 

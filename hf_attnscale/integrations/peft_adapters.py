@@ -49,6 +49,7 @@ from hf_attnscale.core.call.state import STATE_NAME, active_state
 from hf_attnscale.core.install.families import attention_modules
 from hf_attnscale.core.install.installed import get_config
 from hf_attnscale.core.install.patching import patch
+from hf_attnscale.core.install.weights import is_local_path
 from hf_attnscale.core.install.wrappers import unwrap
 from hf_attnscale.core.options.config import AttnScaleConfig
 
@@ -239,6 +240,21 @@ def adapter_patch_config(path: str | Path) -> AttnScaleConfig | None:
         )
     data = json.loads(file.read_text())["attn_scale"]
     return None if data is None else AttnScaleConfig.from_dict(data)
+
+
+def check_adapter_path(path: str | None) -> None:
+    """Refuse, in one line, an adapter named as a local folder that holds no PEFT adapter
+    (``adapter_config.json``), before any model loads; None and a Hub id pass (PEFT fetches it)."""
+    if path is None:
+        return
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"peft= takes an adapter's folder or Hub id, got {path!r}.")
+    folder = Path(path).expanduser()
+    if (is_local_path(path) or folder.exists()) and not (folder / "adapter_config.json").is_file():
+        what = "does not exist" if not folder.exists() else "has no adapter_config.json"
+        raise ValueError(
+            f"peft={path!r} {what}; pass the folder PeftModel.save_pretrained wrote, or a Hub id."
+        )
 
 
 def load_adapter(

@@ -38,10 +38,14 @@ def pose_position_ids(
     chunks = check_int("chunks", chunks, 1)
     target_length = check_int("target_length", target_length, 1)
     if chunks > window:
-        raise ValueError(f"chunks must be at most window ({window}) so that every run holds a token, got {chunks}.")
+        raise ValueError(
+            f"chunks must be at most window ({window}) so that every run holds a token, got {chunks}."
+        )
     if target_length < window:
         raise ValueError(f"target_length must be at least window ({window}), got {target_length}.")
-    cuts = torch.randperm(window - 1, generator=generator)[: chunks - 1].sort().values + 1  # run starts after 0
+    cuts = (
+        torch.randperm(window - 1, generator=generator)[: chunks - 1].sort().values + 1
+    )  # run starts after 0
     room = target_length - window  # the largest skip
     skips = [0]
     for _ in range(chunks - 1):  # u_i uniform in [u_{i-1}, room], as the paper draws them
@@ -83,6 +87,8 @@ class PoSECollator:
                 f"A batch of {length} tokens is longer than target_length ({self.target_length}): PoSE trains a "
                 "window shorter than the length it reaches toward."
             )
-        ids = [pose_position_ids(length, self.target_length, self.chunks, self.generator) for _ in range(rows)]
+        ids = [
+            pose_position_ids(length, self.target_length, self.chunks, self.generator) for _ in range(rows)
+        ]
         batch["position_ids"] = torch.stack(ids).to(batch["input_ids"].device)
         return batch

@@ -24,7 +24,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 import hf_attnscale as hfa  # noqa: E402
 from hf_attnscale.checkpoints.models import default_model_path  # noqa: E402
 from hf_attnscale.evaluation.corpus import builtin_documents, long_documents  # noqa: E402
-from hf_attnscale.integrations.lm_eval_model import HFAttnScaleLM  # noqa: E402
+from hf_attnscale.integrations.lm_eval_model import HFAttnScaleLM, ModelArgsError  # noqa: E402
 from hf_attnscale.integrations.lm_eval_tasks_data import TASKS_DIR  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -614,3 +614,70 @@ def test_parallelize_offloads_to_disk_and_scores_each_document_as_loaded_whole(t
     assert sorted(split) == sorted(whole)
     for doc_id, value in whole.items():
         assert split[doc_id] == pytest.approx(value, abs=1e-4), doc_id
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    """A LoRA adapter trained a few steps on the tiny LM under a learnable sink (learned values to carry), saved
+    with its patch, and the adapted model's logits on a probe."""
+    peft = pytest.importorskip("peft")
+    folder = tmp_path_factory.mktemp("adapter")
+    model, tokenizer = tiny_lm_with_tokenizer()
+    model.save_pretrained(folder / "base")
+    tokenizer.save_pretrained(folder / "base")
+    hfa.patch(model, scale="logn", train_length=16, sink_logit="learnable")
+    adapted = peft.get_peft_model(model, hfa.lora_config(model, r=4, init_lora_weights=False))
+    ids = torch.randint(3, 300, (1, 40), generator=torch.Generator().manual_seed(0))
+    optimizer = torch.optim.SGD([p for p in adapted.parameters() if p.requires_grad], lr=0.1)
+    for _ in range(3):
+        adapted(ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    adapted.eval()
+    adapted.save_pretrained(folder / "lora")
+    with torch.no_grad():
+        return folder, ids, adapted(ids).logits
+
+
+def test_peft_loads_the_adapter_with_the_patch_it_was_trained_under(adapter):
+    folder, ids, expected = adapter
+    lm = HFAttnScaleLM(pretrained=str(folder / "base"), peft=str(folder / "lora"), device="cpu")
+    config = hfa.get_config(lm.model)
+    assert config.scale == "logn" and config.sink_logit == "learnable"
+    with torch.no_grad():
+        torch.testing.assert_close(lm.model(ids).logits, expected, rtol=0, atol=1e-5)
+    plain = HFAttnScaleLM(pretrained=str(folder / "base"), device="cpu")
+    with torch.no_grad():
+        assert (plain.model(ids).logits - expected).abs().max() > 1e-2  # the adapter and its sink moved them
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ({"peft": "./missing-adapter"}, "peft='./missing-adapter' does not exist"),
+        ({"peft": "base"}, "has no adapter_config.json"),
+        ({"peft": "lora", "scale": "ssmax", "train_length": 16}, "was trained with the attention patch"),
+    ],
+)
+def test_a_bad_adapter_is_one_line(adapter, args, message, monkeypatch):
+    folder, _, _ = adapter
+    monkeypatch.chdir(folder)
+    with pytest.raises(ModelArgsError, match=re.escape(message)) as err:
+        HFAttnScaleLM(pretrained=str(folder / "base"), device="cpu", **args)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("command", ["eval", "compare", "diagnose"])
+def test_the_commands_load_the_adapter_as_the_model_type_does(adapter, command):
+    from hf_attnscale.cli import build_parser
+    from hf_attnscale.cli.options import load_model
+
+    folder, ids, expected = adapter
+    extra = ["--lengths", "32"] if command == "eval" else []
+    args = build_parser().parse_args(
+        [command, "--model", str(folder / "base"), "--peft", str(folder / "lora"), *extra]
+    )
+    model, _, kind = load_model(args, torch.device("cpu"))
+    assert kind == "causal" and hfa.get_config(model).sink_logit == "learnable"
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=1e-5)
