@@ -68,7 +68,7 @@ def _own_tasks_only(monkeypatch):
         pytest.param(
             "windw=124",
             r"Unknown model_args key 'windw' \(did you mean 'window'\?\): hf-attnscale takes pretrained, "
-            r"sink_tokens, window, chunk_size, gguf_file, position_buckets and the patch options scale, train_length, .*; "
+            r"sink_tokens, window, chunk_size, gguf_file, position_buckets, peft and the patch options scale, train_length, .*; "
             r"lm-eval's HFLM takes backend, revision, .*max_length, .*",
             id="misspelled-key",
         ),

@@ -28,6 +28,7 @@ from hf_attnscale.core.call.gate import apply_gate
 from hf_attnscale.core.call.hooks import CallHooks, Execution
 from hf_attnscale.core.call.masks import visible_key_counts
 from hf_attnscale.core.call.memo import memoize
+from hf_attnscale.core.call.shifted import shifted_sparse_attention
 from hf_attnscale.core.call.state import AttnScaleState
 from hf_attnscale.core.options.laws import query_multiplier
 
@@ -102,7 +103,13 @@ def scaled_attention(
         )
 
     parts = None if hooks is None else hooks.parts
-    if parts is None:
+    if config.shifted_sparse_group is not None and module.training:  # S2-Attn trains; eval reads densely
+        dropout = kwargs.get("dropout", 0.0)
+        out = shifted_sparse_attention(
+            query, key, value, attention_mask, config.shifted_sparse_group, kwargs.get("scaling"), dropout
+        )
+        weights = None
+    elif parts is None:
         out, weights = attend(query, key, value, attention_mask)
     else:  # a method of key parts: each of its parts a call of the backend, under one softmax
         sliding_window = kwargs.pop("sliding_window", None)

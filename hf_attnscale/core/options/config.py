@@ -167,6 +167,10 @@ class AttnScaleConfig:
             zero_kv: an exit: a zero key and zero value every query sees (softmax-off-by-one).
             sink_logit: an exit with this logit: a per-head column whose value is zero; a fixed float, or
                 ``"learnable"`` (an ``nn.Parameter`` per head, initialised to 0, which equals ``zero_kv``).
+            shifted_sparse_group: G, LongLoRA's shifted sparse attention (S²-Attn, Chen et al. 2024) while the
+                model trains (``model.train()``): half the heads attend causally within groups of G tokens, the
+                other half within groups shifted by G/2; dense in ``model.eval()`` and ``generate``. An even int
+                >= 2; not with an exit, clipped softmax or a method of key parts.
     {methods}
             rope_parameters: RoPE rescaling on the loaded model: transformers' own ``rope_parameters`` dict
                 (``{"rope_type": "yarn", "factor": 4.0}``; dynamic, linear, llama3, longrope), in place of the model's
@@ -210,6 +214,14 @@ class AttnScaleConfig:
     gate: GateKind | None = field(
         default=None,
         metadata=_option("a learnable sigmoid gate on each head's output", choices=GATES, head=True),
+    )
+    shifted_sparse_group: int | None = field(
+        default=None,
+        metadata=_option(
+            "S2-Attn while training: attention in groups of G tokens, half the heads shifted by G/2",
+            parse=_length,
+            metavar="G",
+        ),
     )
     rope_parameters: dict[str, Any] | None = field(
         default=None,
@@ -304,6 +316,25 @@ class AttnScaleConfig:
                 "clipped_softmax cannot be combined with zero_kv / sink_logit: each lets a head attend to "
                 "nothing; pass one."
             )
+        group = self.shifted_sparse_group
+        if group is not None:
+            group = check_int("shifted_sparse_group", group, 2)
+            object.__setattr__(self, "shifted_sparse_group", group)
+            if group % 2:
+                raise ValueError(f"shifted_sparse_group must be even (its groups shift by G/2), got {group}.")
+            others = [name for name, on in self._shifted_sparse_conflicts().items() if on]
+            if others:
+                raise ValueError(
+                    f"shifted_sparse_group cannot be combined with {', '.join(others)}: S2-Attn trains plain "
+                    "attention in groups; pass it with a scale, a gate or rope_parameters only."
+                )
+
+    def _shifted_sparse_conflicts(self) -> dict[str, bool]:
+        return {
+            "zero_kv / sink_logit": self.has_exit,
+            "clipped_softmax": self.clipped_softmax is not None,
+            str(self.key_parts): self.key_parts is not None,
+        }
 
     @property
     def key_parts(self) -> str | None:
@@ -333,6 +364,7 @@ class AttnScaleConfig:
             and self.gate is None
             and self.key_parts is None
             and self.rope_parameters is None
+            and self.shifted_sparse_group is None
         )
 
     @classmethod
