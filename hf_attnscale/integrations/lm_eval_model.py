@@ -430,7 +430,11 @@ class HFAttnScaleLM(HFLM):
     def _model_generate(
         self, context: torch.Tensor, max_length: int, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
+        """HFLM's ``generate`` call, its prompt read ``chunk_size`` tokens at a time into the cache (transformers'
+        ``prefill_chunk_size``): one chunk's activations at a time, not the whole prompt's."""
         self._read(max_length)  # the context and every token it may generate
+        if context.shape[-1] > self.chunk_size:
+            kwargs.setdefault("prefill_chunk_size", self.chunk_size)
         return super()._model_generate(context, max_length, *args, **kwargs)
 
     def _read(self, tokens: int) -> None:

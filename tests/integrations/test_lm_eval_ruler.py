@@ -17,6 +17,7 @@ pytest.importorskip("wonderwords")
 from conftest import tiny_lm_with_tokenizer
 from lm_eval.api.instance import Instance
 
+import hf_attnscale as hfa
 from hf_attnscale.checkpoints.models import default_model_path
 from hf_attnscale.integrations import lm_eval_ruler as ruler
 from hf_attnscale.integrations.lm_eval_launcher import main
@@ -202,16 +203,25 @@ def test_lm_evals_own_task_runs_offline_and_its_second_run_builds_nothing(tmp_pa
 
 
 def test_a_generate_until_request_computes_logits_for_one_position_at_a_time():
+    """The prompt goes into the cache ``chunk_size`` tokens at a time, and no call computes more than one position's
+    logits; the text is the one an unchunked prefill writes."""
     model, tokenizer = tiny_lm_with_tokenizer(max_position_embeddings=512)
-    lm = HFAttnScaleLM(pretrained=model, tokenizer=tokenizer, max_length=512, rerope_window=16, scale="logn",
-                       train_length=64)  # fmt: skip
-    shapes = []
-    model.get_output_embeddings().register_forward_hook(lambda m, i, out: shapes.append(tuple(out.shape)))
     context = " ".join(["The grass is green. The sky is blue."] * 30)
     assert len(tokenizer(context)["input_ids"]) > 300
-    request = Instance(
-        "generate_until", {}, (context, {"until": [], "max_gen_toks": 3, "do_sample": False}), 0
-    )
-    (text,) = lm.generate_until([request])
-    assert isinstance(text, str)
-    assert len(shapes) == 3 and all(shape[1] == 1 for shape in shapes), shapes
+    texts, shapes, lengths = [], [], []
+    head = model.get_output_embeddings().register_forward_hook(lambda m, i, out: shapes.append(out.shape))
+    layer = model.model.layers[0].register_forward_hook(lambda m, i, out: lengths.append(i[0].shape[1]))
+    for chunk_size in (512, 64):
+        shapes.clear(), lengths.clear()
+        lm = HFAttnScaleLM(
+            pretrained=model, tokenizer=tokenizer, max_length=512, chunk_size=chunk_size,
+            rerope_window=16, scale="logn", train_length=64,
+        )  # fmt: skip
+        request = Instance(
+            "generate_until", {}, (context, {"until": [], "max_gen_toks": 3, "do_sample": False}), 0
+        )
+        texts += lm.generate_until([request])
+        assert all(shape[1] == 1 for shape in shapes), shapes
+        assert max(lengths) == min(chunk_size, lengths[0]) and lengths[-2:] == [1, 1]
+        hfa.unpatch(model)
+    assert texts[0] == texts[1]
