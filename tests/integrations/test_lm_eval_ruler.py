@@ -209,8 +209,8 @@ def test_a_generate_until_request_computes_logits_for_one_position_at_a_time():
     context = " ".join(["The grass is green. The sky is blue."] * 30)
     assert len(tokenizer(context)["input_ids"]) > 300
     texts, shapes, lengths = [], [], []
-    head = model.get_output_embeddings().register_forward_hook(lambda m, i, out: shapes.append(out.shape))
-    layer = model.model.layers[0].register_forward_hook(lambda m, i, out: lengths.append(i[0].shape[1]))
+    model.get_output_embeddings().register_forward_hook(lambda m, i, out: shapes.append(out.shape))
+    model.model.layers[0].register_forward_hook(lambda m, i, out: lengths.append(i[0].shape[1]))
     for chunk_size in (512, 64):
         shapes.clear(), lengths.clear()
         lm = HFAttnScaleLM(
