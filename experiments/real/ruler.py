@@ -143,7 +143,9 @@ def best_at_16k(results: dict[Cell, dict], tasks: list[str]) -> list[str]:
         for label in methods()
         if all((label, task, PAST[0]) in results for task in tasks)
     }
-    ranked = sorted(done, key=lambda label: -done[label]) + [label for label in methods() if label not in done]
+    ranked = sorted(done, key=lambda label: -done[label]) + [
+        label for label in methods() if label not in done
+    ]
     return ranked[:BEST_AT_16K]
 
 
@@ -235,7 +237,11 @@ def report(results: dict[Cell, dict], out: Path) -> str:
                 + [_score(r, results.get(("unpatched", t, 8192))) for r, t in zip(row, tasks, strict=True)]
             )
             cost_rows.append(
-                [f"{length:,}", label, *[f"{r['seconds']:.0f} s, {r['peak_gib']:.1f} GiB" if r else "-" for r in row]]
+                [
+                    f"{length:,}",
+                    label,
+                    *[f"{r['seconds']:.0f} s, {r['peak_gib']:.1f} GiB" if r else "-" for r in row],
+                ]
             )
     if past_rows:
         tables.append(

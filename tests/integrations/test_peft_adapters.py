@@ -587,7 +587,9 @@ def test_long_context_trains_embeddings_and_norms_beside_lora_and_reloads(tied, 
     hfa.patch(model, scale="logn", train_length=16)
     peft_model = get_peft_model(model, hfa.lora_config(model, r=4, long_context=True))
     trained = {n for n, p in peft_model.named_parameters() if p.requires_grad}
-    kinds = {("lora" if "lora_" in n else n.split(".modules_to_save.")[0].rpartition(".")[2]) for n in trained}
+    kinds = {
+        ("lora" if "lora_" in n else n.split(".modules_to_save.")[0].rpartition(".")[2]) for n in trained
+    }
     assert kinds == {"lora", "embed_tokens", "input_layernorm", "post_attention_layernorm", "norm"}
     ids = torch.randint(0, SHARP_VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
     optimizer = torch.optim.SGD([p for p in peft_model.parameters() if p.requires_grad], lr=0.05)
