@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from sections.figures import figure, save
 from sections.tables import markdown
 
 import hf_attnscale as hfa
@@ -243,6 +244,7 @@ def report(results: dict[Cell, dict], out: Path) -> str:
                     *[f"{r['seconds']:.0f} s, {r['peak_gib']:.1f} GiB" if r else "-" for r in row],
                 ]
             )
+    draw(results, out / "ruler.png")
     if past_rows:
         tables.append(
             f"**{name}** past its trained length: RULER's score, its 95% interval, and in brackets the score as a "
@@ -253,3 +255,35 @@ def report(results: dict[Cell, dict], out: Path) -> str:
             "resident memory of its process\n\n" + markdown(["length", "method", *tasks], cost_rows)
         )
     return "\n\n".join(tables)
+
+
+def draw(results: dict[Cell, dict], path: Path) -> None:
+    """One panel a task: each method's score (95% interval as error bars) by length, the unchanged model's joined
+    by a line; lengths on a log scale; the trained length marked."""
+    fig, axes = figure(3, width=4.0, height=3.2, rows=2, sharey=True)
+    lengths = [*CEILING, *PAST]
+    for ax, task in zip(axes, SYNTHETIC, strict=True):
+        if not any(key[1] == task for key in results):
+            ax.text(0.5, 0.5, "not run yet", ha="center", va="center", transform=ax.transAxes, color="grey")
+        for index, label in enumerate(methods()):
+            points = [(n, results[(label, task, n)]) for n in lengths if (label, task, n) in results]
+            if not points:
+                continue
+            nudge = 2 ** (0.04 * (index - len(methods()) / 2))  # methods side by side at one length
+            xs = [n * (1 if label == "unpatched" else nudge) for n, _ in points]
+            ys = [r["score"] for _, r in points]
+            bounds = [interval(r["per_sample"]) for _, r in points]
+            spread = [[y - lo for y, (lo, _) in zip(ys, bounds)], [hi - y for y, (_, hi) in zip(ys, bounds)]]
+            style = "-o" if label == "unpatched" else "o"
+            ax.errorbar(xs, ys, yerr=spread, fmt=style, capsize=2, markersize=4, label=label)
+        ax.axvline(TRAINED_LENGTH[MODEL], color="grey", linestyle=":", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlim(lengths[0] / 1.25, lengths[-1] * 1.25)
+        ax.set_xticks(lengths, [f"{n // 1024}k" for n in lengths])
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_title(task)
+    axes[0].set_ylabel("RULER score")
+    axes[3].set_ylabel("RULER score")
+    axes[0].legend(fontsize=6, loc="lower left")
+    fig.suptitle(f"{SHORT_NAME[MODEL]} on RULER's synthetic tasks (dotted: its trained length)", fontsize=10)
+    save(fig, path)
