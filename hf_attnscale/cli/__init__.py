@@ -1,4 +1,4 @@
-"""The ``hf-attnscale`` command: ``demo``, ``compare``, ``eval``, ``diagnose``, ``fetch`` and ``lm-eval``,
+"""The ``hf-attnscale`` command: ``demo``, ``compare``, ``eval``, ``diagnose``, ``finetune``, ``fetch`` and ``lm-eval``,
 a module each.
 
     hf-attnscale demo                      # shipped model, built-in corpus, seven variants, 1x..16x its length
@@ -7,6 +7,7 @@ a module each.
     hf-attnscale eval --model PATH_OR_HUB_ID --scale logn --train-length 4096 \\
         --sink-tokens 4 --window 1020 --data FILE_OR_BUILTIN --lengths 1k,2k,4k,8k --device cuda
     hf-attnscale diagnose --model PATH_OR_HUB_ID --length 2k   # entropy, sinks, gradients, outliers
+    hf-attnscale finetune --model smollm2-135m --target-length 32768 --window 2048   # LoRA+ with PoSE
     hf-attnscale lm-eval <lm-eval arguments>   # lm-eval's CLI with --model hf-attnscale available
 
 ``demo``, ``compare`` and ``eval`` print a Markdown table, a line per variant as it finishes, and write
@@ -29,11 +30,12 @@ from . import (
     diagnose,
     eval as evaluate,  # the module of the `eval` command (its own name would hide the builtin)
     fetch,
+    finetune,
     lm_eval,
 )
 from .options import CommandError
 
-COMMANDS = (demo, compare, evaluate, diagnose, fetch, lm_eval)
+COMMANDS = (demo, compare, evaluate, diagnose, finetune, fetch, lm_eval)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

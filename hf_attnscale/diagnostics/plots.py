@@ -131,3 +131,20 @@ def plot_outliers(stats: Any, path: Path, title: str | None) -> Path:
     if title:
         fig.suptitle(title)
     return _save(fig, path)
+
+
+def plot_losses(losses: list[tuple[int, float]], path: Path, title: str) -> Path:
+    """A training run's loss by step (``(step, loss)`` pairs, nats a token), raw and smoothed over 10 steps."""
+    fig = _figure(6.0, 3.6)
+    ax = fig.add_subplot()
+    steps = np.array([step for step, _ in losses], dtype=float)
+    values = np.array([loss for _, loss in losses], dtype=float)
+    ax.plot(steps, values, linewidth=0.8, alpha=0.4, label="each step")
+    if len(values) >= 10:
+        smooth = np.convolve(values, np.ones(10) / 10, mode="valid")
+        ax.plot(steps[9:], smooth, linewidth=1.5, label="mean of the last 10")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats / token)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    return _save(fig, path)

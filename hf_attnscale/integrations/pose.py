@@ -15,6 +15,7 @@ position ids that jump, in one line.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -61,8 +62,11 @@ class PoSECollator:
     (`pose_position_ids` for the batch's length) toward ``target_length``.
 
     ``collator`` builds the batch first (default: ``DataCollatorForLanguageModeling(tokenizer, mlm=False)``,
-    which pads, masks and sets ``labels``); then ``position_ids`` (B, T) is added, drawn from a generator seeded
-    with ``seed`` (None: torch's default one). Padding keeps the ids its row's run gives it: it is masked out.
+    which pads, masks and sets ``labels``); then ``position_ids`` (B, T) is added. With ``seed``, each row's ids
+    are drawn from a generator seeded by ``seed`` and the row's tokens, so a window always gets the same ids,
+    whatever the order, the batching or a resumed run (Trainer's data loader collates a batch ahead, so a
+    generator's state at a checkpoint would be one batch on); with None, from torch's default generator. Padding
+    keeps the ids its row's run gives it: it is masked out.
     """
 
     def __init__(
@@ -76,19 +80,26 @@ class PoSECollator:
     ) -> None:
         self.target_length = check_int("target_length", target_length, 1)
         self.chunks = check_int("chunks", chunks, 1)
-        self.generator = None if seed is None else torch.Generator().manual_seed(check_int("seed", seed, 0))
+        self.seed = None if seed is None else check_int("seed", seed, 0)
         self.collator = collator or DataCollatorForLanguageModeling(tokenizer, mlm=False)
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         batch = dict(self.collator(features))
-        rows, length = batch["input_ids"].shape
+        length = batch["input_ids"].shape[1]
         if length > self.target_length:
             raise ValueError(
                 f"A batch of {length} tokens is longer than target_length ({self.target_length}): PoSE trains a "
                 "window shorter than the length it reaches toward."
             )
         ids = [
-            pose_position_ids(length, self.target_length, self.chunks, self.generator) for _ in range(rows)
+            pose_position_ids(length, self.target_length, self.chunks, self._generator(row))
+            for row in batch["input_ids"]
         ]
         batch["position_ids"] = torch.stack(ids).to(batch["input_ids"].device)
         return batch
+
+    def _generator(self, tokens: torch.Tensor) -> torch.Generator | None:
+        if self.seed is None:
+            return None
+        digest = hashlib.blake2b(tokens.cpu().numpy().tobytes(), digest_size=8, key=str(self.seed).encode())
+        return torch.Generator().manual_seed(int.from_bytes(digest.digest(), "little") >> 1)
