@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from transformers import Trainer, TrainingArguments, set_seed
+from transformers.trainer_utils import get_last_checkpoint
+
 from hf_attnscale.evaluation.corpus import builtin_documents
 from hf_attnscale.integrations.peft_adapters import lora_config
 from hf_attnscale.integrations.pose import PoSECollator
@@ -58,9 +61,7 @@ def finetune(model: Any, tokenizer: Any, run: LongContextRun, out: Path, *, prog
     checkpoint every ``run.save_every`` steps in ``out/checkpoints`` (a re-run continues from the last one);
     returns ``out/adapter``, where the adapter and its patch are written, with ``losses.json`` and ``loss.png``
     beside it."""
-    from peft import get_peft_model
-    from transformers import Trainer, TrainingArguments, set_seed
-    from transformers.trainer_utils import get_last_checkpoint
+    from peft import get_peft_model  # the [peft] extra
 
     out.mkdir(parents=True, exist_ok=True)
     set_seed(run.seed)  # LoRA's initial weights too
