@@ -144,6 +144,7 @@ def plot_losses(losses: list[tuple[int, float]], path: Path, title: str) -> Path
         smooth = np.convolve(values, np.ones(10) / 10, mode="valid")
         ax.plot(steps[9:], smooth, linewidth=1.5, label="mean of the last 10")
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("training loss (nats / token)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
