@@ -161,7 +161,8 @@ def test_the_draw_is_seeded_and_leaves_the_global_random_as_it_was(tmp_path):
 def test_lm_evals_own_generator_is_kept_and_read_back_as_drawn(tmp_path):
     """lm-eval's own niah_single_1 (500 samples at 512 tokens of the shipped tokenizer): drawn once, then read
     back equal, and a second draw in the same process equals the first (the seed)."""
-    from lm_eval.tasks.ruler.niah_utils import niah_single_1  # 20-30 s: wonderwords' word pairs, nltk
+    with ruler.offline_and_cached(tmp_path):  # its import asks nltk for punkt_tab: refused where offline
+        from lm_eval.tasks.ruler.niah_utils import niah_single_1  # 20-30 s: wonderwords' word pairs
 
     meta = {"tokenizer": str(default_model_path()), "max_seq_lengths": [512]}
     drawn = ruler.cached_samples("niah_single_1", niah_single_1, meta, tmp_path / "a")["test"]
