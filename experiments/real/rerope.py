@@ -18,6 +18,7 @@ import math
 import multiprocessing
 import resource
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -75,10 +76,11 @@ def measured(task: str, model_args: dict, metadata: dict, limit: int | None, thr
     return {**results, "seconds": time.perf_counter() - started, "peak_gib": peak_kib / 2**20}
 
 
-def in_fresh_process(*args) -> dict:
+def in_fresh_process(cell: Callable[..., dict], *args) -> dict:
+    """``cell(*args)`` in a fresh (spawned) process: each cell's time and peak memory are its own."""
     spawn = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
-        return pool.submit(measured, *args).result()
+        return pool.submit(cell, *args).result()
 
 
 def one_cell(
@@ -100,7 +102,9 @@ def one_cell(
         metadata, limit = {"pretrained": path, "first_tokens": first_tokens}, 1
     return context.cells.get(
         key + ("/quick" if context.quick else ""),
-        functools.partial(in_fresh_process, task, model_args, metadata, limit, torch.get_num_threads()),
+        functools.partial(
+            in_fresh_process, measured, task, model_args, metadata, limit, torch.get_num_threads()
+        ),
     )
 
 
@@ -136,7 +140,13 @@ def run(context: Context) -> str:
             table[label][(task, seed)] = context.cells.get(
                 key,
                 functools.partial(
-                    in_fresh_process, task, {**common, **args}, metadata, limit, torch.get_num_threads()
+                    in_fresh_process,
+                    measured,
+                    task,
+                    {**common, **args},
+                    metadata,
+                    limit,
+                    torch.get_num_threads(),
                 ),
             )
     return report(table, passkeys, depths, seeds, document_tokens, context.out)

@@ -16,11 +16,9 @@ In the order the cells run:
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import json
 import math
-import multiprocessing
 import random
 import resource
 import time
@@ -104,12 +102,6 @@ def scored(task: str, model_args: dict, metadata: dict, limit: int, threads: int
     }
 
 
-def in_fresh_process(*args) -> dict:
-    spawn = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
-        return pool.submit(scored, *args).result()
-
-
 def interval(scores: list[float], level: float = 0.95) -> tuple[float, float]:
     """A 95% interval on the mean of ``scores``: Wilson's where every score is 0 or 1, else a percentile bootstrap
     (10,000 resamples, seed 0)."""
@@ -169,7 +161,9 @@ def run(context: Context) -> str:
         limit = 1 if context.quick else samples(task)
         results[cell] = context.cells.get(
             key(cell) + ("/quick" if context.quick else ""),
-            functools.partial(in_fresh_process, task, model_args, metadata, limit, torch.get_num_threads()),
+            functools.partial(
+                rerope.in_fresh_process, scored, task, model_args, metadata, limit, torch.get_num_threads()
+            ),
         )
         if not context.quick:
             report(results, context.out)

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from hf_attnscale.core.options.flags import add_patch_arguments
 
@@ -21,6 +20,7 @@ from .options import (
     given_patch,
     load_model,
     model_name,
+    show_progress,
 )
 
 
@@ -84,7 +84,6 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         save_every=args.save_every,
     )
-    progress = sys.stderr.isatty() if args.progress is None else args.progress
-    adapter = finetune(model, tokenizer, settings, args.out, progress=progress)
+    adapter = finetune(model, tokenizer, settings, args.out, progress=show_progress(args))
     print(f"adapter written to {adapter} (loss by step: {args.out / 'loss.png'})")
     return 0

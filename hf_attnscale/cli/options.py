@@ -112,6 +112,12 @@ def add_progress_argument(parser: argparse.ArgumentParser, default: bool | None 
     )
 
 
+def show_progress(args: argparse.Namespace) -> bool:
+    """Whether ``--progress`` asks for progress bars: as given, else only where stderr is a terminal."""
+    progress = getattr(args, "progress", None)
+    return sys.stderr.isatty() if progress is None else progress
+
+
 def parse_lengths(text: str) -> list[int]:
     """``"256,512,1k,2k"`` -> ``[256, 512, 1024, 2048]`` (``k`` is 1024)."""
     lengths = []
@@ -242,8 +248,7 @@ def load_model(args: argparse.Namespace, on: torch.device) -> tuple[Any, Any, st
     from hf_attnscale.checkpoints import models
     from hf_attnscale.integrations.peft_adapters import check_adapter_path, load_adapter
 
-    progress = getattr(args, "progress", None)
-    progress = sys.stderr.isatty() if progress is None else progress
+    progress = show_progress(args)
     adapter = getattr(args, "peft", None)
     check_adapter_path(adapter)
     model, tokenizer, kind = models.load_model(
