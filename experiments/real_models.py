@@ -27,6 +27,8 @@ Sections (`real/`):
   shifted    STRING inside the trained length (8k) and at 2x (16k): perplexity by position and passkeys
   ruler      RULER's six synthetic tasks through lm-eval: the unchanged model at 4k and 8k, every method at 16k,
              the three best at 32k
+  gemma      Gemma-3-270M inside and past its trained 32k: passkeys to 128k and perplexity by position over a
+             128k read, every position method (its local layers left as they are)
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from real import (
     eightx,
     extend,
     finetune,
+    gemma,
     million,
     outliers,
     recall,
@@ -73,6 +76,7 @@ SECTIONS: dict[str, Callable[[Context], str]] = {
     "eightx": eightx.run,
     "shifted": shifted.run,
     "ruler": ruler.run,
+    "gemma": gemma.run,
 }
 
 

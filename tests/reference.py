@@ -381,6 +381,8 @@ def make_reference(model, attention_classes, **patch_kwargs):
     for module in model.modules():
         if type(module).__name__ in attention_classes:
             module.hfa_ref = ReferencePatch(heads=query_heads(module, model.config), **patch_kwargs)
+            if _sees_only_the_near_part(module, patch_kwargs):
+                module.hfa_ref.factor = 1.0
             if module.hfa_ref.gate is not None:
                 module.register_forward_pre_hook(_remember_input, with_kwargs=True)
             refs.append(module.hfa_ref)
@@ -391,6 +393,14 @@ def make_reference(model, attention_classes, **patch_kwargs):
     ):
         _raw_rope(model, refs, layers)
     return refs
+
+
+def _sees_only_the_near_part(module, patch_kwargs) -> bool:
+    """Whether STRING leaves the layer as the model has it, its factor too: its own sliding window holds no pair S
+    or more apart (the package's rule for any method, `Method.exact_below`; the others' near parts are the model's
+    own scores already)."""
+    own = getattr(module, "sliding_window", getattr(module.config, "sliding_window", None))
+    return bool(own) and bool(patch_kwargs.get("string_shift")) and own <= patch_kwargs["string_shift"]
 
 
 def _raw_rope(model, refs, layers) -> None:

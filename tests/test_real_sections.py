@@ -148,3 +148,53 @@ def test_section_13s_intervals_hold_their_means(ruler):
     assert 0.83 < low < 0.84 and high == 1.0  # Wilson's, 20 of 20
     low, high = ruler.interval([0.0, 0.5, 1.0, 0.25, 0.75] * 2)
     assert low < 0.5 < high and low >= 0.0 and high <= 1.0
+
+
+@pytest.fixture
+def gemma(monkeypatch):
+    """Section 14's module."""
+    return section_module(monkeypatch, "gemma")
+
+
+def test_section_14_runs_in_the_issues_order_and_picks_the_best_for_the_longer_cells(gemma, tmp_path):
+    order = gemma.cells({})
+    names = gemma.METHOD_NAMES
+    assert order[: 3 * len(names)] == [(m, 32768, d, 0) for m in names for d in gemma.DEPTHS]
+    assert {(n, s) for _, n, _, s in order[3 * len(names) : 9 * len(names)]} == {(32768, 1), (32768, 2)}
+    document = order.index((names[0], gemma.DOCUMENT_TOKENS, -1.0, 0))
+    assert {n for _, n, _, _ in order[:document]} == {32768, 16384}
+    assert {n for _, n, _, _ in order[document + len(names) :]} == {65536, 131072}
+    # at 32k, DCA finds every key and STRING two: they and the next by log-likelihood read 128k
+    results = {}
+    for name in names:
+        for depth in gemma.DEPTHS:
+            found = name == "DCA s24576 l2048" or (name.startswith("STRING") and depth > 0)
+            loglik = -1.0 if found else -3.0 - names.index(name) / 10
+            results[(name, 32768, depth, 0)] = {"acc,none": float(found), "key_loglikelihood,none": loglik}
+    best = gemma.ranked(results, (32768, 65536))[: gemma.BEST_OF]
+    assert best == ["DCA s24576 l2048", "STRING S=T/3 W128", "unpatched"]
+    assert {m for m, n, d, _ in gemma.cells(results) if n == 131072 and d >= 0} == set(best)
+    timed = {cell: {**value, "seconds": 90.0, "peak_gib": 2.0} for cell, value in results.items()}
+    text = gemma.report(timed, tmp_path)
+    assert "| DCA s24576 l2048 | found (-1.00) | found (-1.00) | found (-1.00) | 3 of 3 |" in text
+    assert "Passkeys at 32k (inside" in text and "Passkeys at 64k" not in text
+    assert (tmp_path / "gemma.png").stat().st_size > 10_000
+    assert gemma.reported_results(tmp_path) == timed
+
+
+def test_section_14s_methods_patch_a_model_of_gemma_3s_layers(gemma):
+    """Every method's model_args, at every length read, are options a Gemma-3 takes (RoPE rescaling by layer type,
+    on the global layers)."""
+    import copy
+
+    from model_zoo import zoo_model
+
+    import hf_attnscale as hfa
+
+    plain = zoo_model("gemma3_text", layer_types=["sliding_attention", "full_attention"], sliding_window=4)
+    for length in (*gemma.PASSKEYS, gemma.DOCUMENT_TOKENS):
+        for name, args in gemma.methods(length).items():
+            options = {k: v for k, v in args.items()}
+            hfa.unpatch(hfa.patch(copy.deepcopy(plain), **options))
+            if "rope_parameters" in options:
+                assert set(options["rope_parameters"]) == {"full_attention"}, name

@@ -92,14 +92,16 @@ def one_cell(
     depth: float = 1.0,
     seed: int = 0,
     first_tokens: int | None = None,
+    metadata: dict | None = None,
 ) -> dict:
     """One kept cell in a fresh process: the prompt of ``task`` at ``depth`` on ``seed``, or with ``first_tokens``
-    the task's first document cut there (sections 10b, 11 and 12)."""
+    the task's first document cut there (sections 10b, 11, 12 and 14); ``metadata``: the task's, beyond those."""
     path = model_args["pretrained"]
     if first_tokens is None:
-        metadata, limit = {"pretrained": path, "per_cell": 1, "seed": seed, "depths": [depth]}, None
+        given, limit = {"pretrained": path, "per_cell": 1, "seed": seed, "depths": [depth]}, None
     else:
-        metadata, limit = {"pretrained": path, "first_tokens": first_tokens}, 1
+        given, limit = {"pretrained": path, "first_tokens": first_tokens}, 1
+    metadata = {**given, **(metadata or {})}
     return context.cells.get(
         key + ("/quick" if context.quick else ""),
         functools.partial(

@@ -29,7 +29,7 @@ HELP_PREFACE = (
     "hf-attnscale lm-eval: lm-eval's own command line (its help follows), with the model type "
     "`--model hf-attnscale` (`--model_args pretrained=NAME_OR_PATH,` then any patch option: "
     "rerope_window=2048,scale=logn,train_length=8192, or window=1020 to stream) and this package's tasks "
-    "(hfa_stdlib_32k, hfa_kjv_books, hfa_kjv_64k, hfa_passkey_4k ... hfa_passkey_64k, and more): "
+    "(hfa_stdlib_32k, hfa_kjv_books, hfa_kjv_64k, hfa_kjv_128k, hfa_passkey_4k ... hfa_passkey_128k, and more): "
     f"{TASKS_DIR / 'README.md'}\n"
 )
 """What `main` prints before lm-eval's help: the part lm-eval's own help cannot say."""

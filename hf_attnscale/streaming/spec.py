@@ -18,6 +18,7 @@ from hf_attnscale.core.call.state import state_of
 from hf_attnscale.core.install.families import (
     attention_modules,
     is_causal_attention,
+    own_sliding_window,
     takes_position_embeddings,
 )
 from hf_attnscale.core.install.installed import get_config
@@ -153,10 +154,7 @@ class StreamSpec:
                 token_slice(kwargs, hidden_states.shape[1], slice(0, 1), slice(0, 1)),
             ):
                 rope = no_rotation
-            # Qwen2/3, Gemma-2/3 and Cohere-2 keep a sliding window per layer (None on global layers); Mistral
-            # and Phi-3 in the config. 0 is none (Qwen2-MoE's full layers).
-            own = getattr(module, "sliding_window", getattr(module.config, "sliding_window", None))
-            geometry = layer_geometry(self.stream, own or None)
+            geometry = layer_geometry(self.stream, own_sliding_window(module))
             self.layers[module.layer_idx] = LayerSpec(rope, table, geometry)
         return self.layers[module.layer_idx]
 

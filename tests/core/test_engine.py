@@ -72,6 +72,26 @@ def test_each_declaration_covers_every_causal_pair_once(name):
     assert torch.equal(covered, (j <= i).long())
 
 
+def _first_changed_distance(method, positions: int = 60) -> int | None:
+    """The least distance that some pair of ``method`` is scored at otherwise (its parts' query angle less key angle),
+    over positions below ``positions``; None where none is."""
+    i, j = torch.arange(positions)[:, None], torch.arange(positions)[None]
+    scored = torch.zeros(positions, positions, dtype=torch.float64)
+    for part in method.parts:
+        angles = part.query.angle(i.expand(-1, positions)) - part.key.angle(j.expand(positions, -1))
+        scored = torch.where(part.covers(i, j), angles, scored)
+    changed = (j <= i) & ~torch.isclose(scored, (i - j).double(), rtol=0, atol=1e-9)
+    return int((i - j)[changed].min()) if changed.any() else None
+
+
+@pytest.mark.parametrize("name", list(DECLARED))
+def test_each_declarations_exact_below_is_the_first_distance_it_changes(name):
+    """`Method.exact_below`, which leaves layers of narrower sliding windows as the model has them: every pair
+    nearer is scored at its own distance, and a pair that far is not."""
+    method = DECLARED[name]
+    assert _first_changed_distance(method) == method.exact_below
+
+
 @pytest.mark.parametrize("name", list(DECLARED))
 def test_each_parts_reach_bounds_the_keys_it_covers(name):
     """`Part.reach`, the engine's blocks of keys: query i's keys in a part run from L(i) to R(i), neither of which
@@ -213,13 +233,13 @@ def test_generate_through_the_models_cache_equals_the_whole_forward(method, attn
     torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=1e-5, rtol=1e-5)
 
 
-LOCAL_AND_GLOBAL = {  # a local layer and a global one
+LOCAL_AND_GLOBAL = {  # a local layer and a global one, its window (7) past every method's `exact_below` (6 at most)
     # each its own RoPE, the local layer's cache the window's (fewer keys than the global one's)
-    "gemma3, window 6": ("gemma3_text", {"sliding_window": 6}),
+    "gemma3, window 7": ("gemma3_text", {"sliding_window": 7}),
     # each its own RoPE, a window past the sequence: as many keys in both
     "gemma3, window 64": ("gemma3_text", {"sliding_window": 64}),
     # one RoPE for both, the local layer's cache the window's
-    "qwen2, window 6": ("qwen2", {"use_sliding_window": True, "sliding_window": 6}),
+    "qwen2, window 7": ("qwen2", {"use_sliding_window": True, "sliding_window": 7}),
 }
 
 
@@ -241,6 +261,45 @@ def test_decoding_through_layers_of_other_keys_or_frequencies_equals_the_whole_f
     steps = torch.stack(out.logits, 1)  # generate() hands them in float32
     torch.testing.assert_close(steps, got[:, 5:-1].float(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=1e-9, rtol=1e-9)
+
+
+NEAR_PARTS_PAST_4 = {  # every method leaving the distances below 7 as they are (`Method.exact_below`)
+    "rerope": {"rerope_window": 8},
+    "leaky": {"rerope_window": 8, "rerope_leak": 3.0},
+    "self_extend": {"self_extend_group": 2, "self_extend_window": 8},
+    "dca": {"dual_chunk_size": 12, "dual_chunk_local": 6},
+    "string": {"string_shift": 8, "string_local": 2},
+}
+
+
+@pytest.mark.parametrize("window", [4, 16])
+@pytest.mark.parametrize("method", list(NEAR_PARTS_PAST_4))
+def test_a_local_layer_that_sees_nothing_the_method_changes_runs_as_the_model_has_it(
+    method, window, monkeypatch
+):
+    """Gemma-3's local layers under a method whose near part is wider than their window (ReRoPE w8192 over 512
+    keys): the local layer's output is the unchanged model's, bitwise (STRING's factor is not put on it), and only
+    the global layer goes through the engine; with a window wider than the near part, both do. The logits equal the
+    reference's either way, over 24 tokens, past every near part."""
+    layers, call = [], engine.PartsCall.__call__
+
+    def counted(self, *args, **kwargs):
+        layers.append(self.layer)
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine.PartsCall, "__call__", counted)
+    plain = zoo_model(
+        "gemma3_text", layer_types=["sliding_attention", "full_attention"], sliding_window=window
+    )
+    unchanged = copy.deepcopy(plain)
+    patched, reference = patched_beside_reference(plain, NEAR_PARTS_PAST_4[method])
+    ids = sharp_inputs(length=24, padded=False, vocab=min(patched.config.vocab_size, 100))["input_ids"]
+    with torch.no_grad():
+        got = patched(ids, output_hidden_states=True)
+        own = unchanged(ids, output_hidden_states=True).hidden_states[1]
+        torch.testing.assert_close(got.logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got.hidden_states[1], own) == (window == 4)
+    assert set(layers) == ({1} if window == 4 else {0, 1})
 
 
 @pytest.mark.parametrize("method", list(METHODS))
@@ -385,12 +444,13 @@ def test_the_fused_blocks_gradients_match_the_reference(attn, method, monkeypatc
     assert_gradients_match(patched, reference, sharp_inputs(length=24, padded=False))
 
 
-@pytest.mark.parametrize("sliding", [6, 3])
 @pytest.mark.parametrize("method", list(EVERY_METHOD))
 @pytest.mark.parametrize("attn", ["sdpa+fused"], indirect=True)
-def test_the_fused_blocks_within_a_sliding_window(attn, method, sliding, monkeypatch):
-    """Mistral's sliding window (6 keys, or 3: within the window of 4) with its mask dropped, as a model that
-    passes only ``sliding_window`` would call: the blocks end where the window does."""
+def test_the_fused_blocks_within_a_sliding_window(attn, method, monkeypatch):
+    """Mistral's sliding window (7 keys, past every method's near part: a narrower one never reaches the engine)
+    with its mask dropped, as a model that passes only ``sliding_window`` would call: the blocks end where the
+    window does."""
+    sliding = 7
     windows, call = [], engine.PartsCall.__call__
 
     def unmasked(self, run, query, key, value, mask, **kwargs):

@@ -282,11 +282,13 @@ def test_a_table_made_under_inference_mode_serves_training():
     assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("sliding", [6, 3])
-@pytest.mark.parametrize("attn", FORWARD_ATTNS, indirect=True)
+@pytest.mark.parametrize(
+    ("attn", "sliding"), [*[(a, 6) for a in FORWARD_ATTNS], ("sdpa", 3), ("eager", 3)], indirect=["attn"]
+)
 def test_a_sliding_window_within_the_input(attn, sliding):
-    """Mistral's sliding window (6 keys, or 3: within ReRoPE's window of 4, so no key is ever far; both shorter
-    than the 16 tokens), on unpadded rows: the whole forward and each decoding step against the reference."""
+    """Mistral's sliding window (6 keys, or 3: within ReRoPE's window of 4, so no key is ever far and the layers
+    run as the model has them, no fast path; both shorter than the 16 tokens), on unpadded rows: the whole
+    forward and each decoding step against the reference."""
     model = sharp_model("mistral", attn, sliding_window=sliding)
     patched, reference = patched_beside_reference(model, OPTIONS["rerope"])
     inputs = sharp_inputs(padded=False)

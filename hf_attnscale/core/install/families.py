@@ -213,3 +213,10 @@ def rotary_for(root: nn.Module, module: nn.Module) -> Rotary | None:
     takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
     layer_type = layer_types[module.layer_idx] if takes_type and layer_types else None
     return rotary, layer_type
+
+
+def own_sliding_window(module: nn.Module) -> int | None:
+    """The sliding window of ``module``'s own, None where it has none: Qwen2/3, Gemma-2/3 and Cohere-2 keep one per
+    layer (None on global layers), Mistral and Phi-3 one in the config; 0 is none (Qwen2-MoE's full layers)."""
+    own = getattr(module, "sliding_window", getattr(getattr(module, "config", None), "sliding_window", None))
+    return own or None

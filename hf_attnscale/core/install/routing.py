@@ -37,7 +37,7 @@ from hf_attnscale.core.call.hooks import HOOKS_KWARG, CallHooks, ambient_hooks, 
 from hf_attnscale.core.call.memo import memoize
 from hf_attnscale.core.call.rope import RotaryFrequencies, family_rope, family_rotation
 from hf_attnscale.core.call.state import state_of
-from hf_attnscale.core.install.families import Rotary
+from hf_attnscale.core.install.families import Rotary, own_sliding_window
 from hf_attnscale.core.install.wrappers import wrapped
 from hf_attnscale.core.options.declare import RAW, Method
 from hf_attnscale.core.options.methods import method_of
@@ -82,7 +82,7 @@ def cache_routed_forward(self: nn.Module, *args, **kwargs):
     if name is None:
         state = state_of(self)
         method = None if state is None else _method(state.config)
-        if method is not None and rotary_of(self) is not None:
+        if method is not None and rotary_of(self) is not None and not _sees_nothing_changed(self, method):
             if args:
                 kwargs["hidden_states"] = args[0]
             return _parts_forward(self, method, **kwargs)
@@ -96,6 +96,13 @@ def cache_routed_forward(self: nn.Module, *args, **kwargs):
 @memoize()
 def _method(config: Any) -> Method | None:
     return method_of(config)  # a config is frozen: its method, declared once
+
+
+def _sees_nothing_changed(module: nn.Module, method: Method) -> bool:
+    """Whether ``module``'s own sliding window keeps every pair nearer than the distances ``method`` changes (Gemma-3's
+    local layers, 512 keys, under ReRoPE w8192): the layer then runs as the model has it, without the factor."""
+    window = own_sliding_window(module)
+    return window is not None and window <= method.exact_below
 
 
 def _parts_forward(self: nn.Module, method: Method, position_embeddings: Any, **kwargs: Any):

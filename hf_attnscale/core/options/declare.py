@@ -89,13 +89,16 @@ class Method(NamedTuple):
     """A method's name, its parts, which together cover every causal pair once, where the model's cache holds each
     key (``store``; the call's queries come at the same place: a decoding step turns only the keys whose part
     places them elsewhere), the factor its authors put on cos and sin (``factor``, on queries and keys both:
-    every score's rotary dims times its square), and the option that asks for it (``option``: its errors start
+    every score's rotary dims times its square), the distance below which every pair is scored at its own
+    distance (``exact_below``: a layer whose own sliding window is no wider sees nothing the method changes, and
+    runs as the model has it, without the factor), and the option that asks for it (``option``: its errors start
     with it; `hf_attnscale.core.options.methods.method_of` fills it in)."""
 
     name: str
     parts: tuple[Part, ...]
     store: At = RAW
     factor: float = 1.0
+    exact_below: int = 0
     option: str = ""
 
     @property

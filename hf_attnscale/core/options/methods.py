@@ -126,9 +126,11 @@ def rerope(window: int, leak: float | None = None) -> Method:
 
     near = Part(0, window, At(), At())
     if leak is None:
-        return Method("ReRoPE", (near, Part(window, None, At(fixed=window), At(fixed=0))))
+        return Method(
+            "ReRoPE", (near, Part(window, None, At(fixed=window), At(fixed=0))), exact_below=window + 1
+        )
     far = Part(window, None, At(shift=window * (leak - 1), slower=leak), At(slower=leak))
-    return Method("leaky ReRoPE", (near, far), store=far.key)
+    return Method("leaky ReRoPE", (near, far), store=far.key, exact_below=window + 1)
 
 
 def _rerope_compare(train_length: int, longest: int) -> tuple[str, dict[str, Any]]:
@@ -142,11 +144,14 @@ def _rerope_compare(train_length: int, longest: int) -> tuple[str, dict[str, Any
 
 def self_extend(group: int, window: int) -> Method:
     """Self-Extend (Jin et al. 2024, "LLM Maybe LongLM", ``datamllab/LongLM``): neighbours within ``window`` at
-    their own positions, the rest grouped by ``group`` (LongLM's definition)."""
+    their own positions, the rest grouped by ``group`` (LongLM's definition); the distance ``window`` itself is
+    scored as it is where ``group`` divides it."""
 
     near = Part(0, window, At(), At())
     far = Part(window, None, At(group=group, shift=window - window // group), At(group=group))
-    return Method("Self-Extend", (near, far), store=At(group=group))
+    return Method(
+        "Self-Extend", (near, far), store=At(group=group), exact_below=window + (window % group == 0)
+    )
 
 
 def _self_extend_compare(train_length: int, longest: int) -> tuple[str, dict[str, Any]]:
@@ -168,7 +173,7 @@ def dual_chunk(size: int, local: int) -> Method:
         Part(1, 2, At(period=c, shift=c, cap=size), key, unit=c),
         Part(2, None, At(fixed=min(2 * c - 1, size)), key, unit=c),
     )
-    return Method("Dual Chunk Attention", parts, store=key)
+    return Method("Dual Chunk Attention", parts, store=key, exact_below=min(local + 2, c + 1))
 
 
 def _dual_chunk_relate(size: int, local: int) -> None:
@@ -197,7 +202,7 @@ def string(shift: int, local: int, factor: float = STRING_FACTOR) -> Method:
 
     near = Part(0, shift, At(), At())
     far = Part(shift, None, At(shift=local - shift), At())
-    return Method("STRING", (near, far), store=At(), factor=factor)
+    return Method("STRING", (near, far), store=At(), factor=factor, exact_below=shift)
 
 
 def _string_relate(shift: int, local: int, factor: float) -> None:
