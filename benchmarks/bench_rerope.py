@@ -139,15 +139,15 @@ def measure(model, step, ids: torch.Tensor, steps: int, cuda: bool) -> dict:
 @contextlib.contextmanager
 def gpu_path():
     """The decoding step a GPU takes, on any device: the kept and turned keys joined, one call (a CPU scores
-    them where they lie, `engine.scores_in_place`, which launches more operators and copies no key)."""
-    from hf_attnscale.core.parts import engine
+    them where they lie, `decode.scores_in_place`, which launches more operators and copies no key)."""
+    from hf_attnscale.core.parts import decode
 
-    where = engine.scores_in_place
-    engine.scores_in_place = lambda run, query: False
+    where = decode.scores_in_place
+    decode.scores_in_place = lambda run, query: False
     try:
         yield
     finally:
-        engine.scores_in_place = where
+        decode.scores_in_place = where
 
 
 class CountOps(TorchDispatchMode):

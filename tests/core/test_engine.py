@@ -36,7 +36,7 @@ from reference import method_positions
 import hf_attnscale as hfa
 from hf_attnscale.core.call.rope import RotaryFrequencies
 from hf_attnscale.core.options.methods import dual_chunk, method_of, rerope, self_extend, string
-from hf_attnscale.core.parts import engine, key_parts
+from hf_attnscale.core.parts import engine, key_parts, prefill
 
 SE = {"self_extend_group": 2, "self_extend_window": 4}
 DCA = {"dual_chunk_size": 6, "dual_chunk_local": 2}  # chunks of 4: the 16 tokens reach 3 chunks back
@@ -246,7 +246,7 @@ LOCAL_AND_GLOBAL = {  # a local layer and a global one, its window (7) past ever
 @pytest.mark.parametrize("method", list(METHODS))
 @pytest.mark.parametrize("model", list(LOCAL_AND_GLOBAL))
 def test_decoding_through_layers_of_other_keys_or_frequencies_equals_the_whole_forward(model, method):
-    """A forward's layers share the step's cos/sin (`engine.shared_by_layers`) only where they have the same
+    """A forward's layers share the step's cos/sin (`turns.shared_by_layers`) only where they have the same
     frequencies and as many keys: each step of a left-padded batch equals the whole sequence's logits, which equal
     the reference's; in float64, where the sharp logits amplify float32's rounding."""
     model_type, overrides = LOCAL_AND_GLOBAL[model]
@@ -307,7 +307,7 @@ def test_a_step_reads_no_cos_sin_made_in_another_forward(method):
     """Steps of the same length through one ``position_ids`` tensor, rewritten in place for each: two batches
     padded apart, then the model's RoPE frequencies changed in place, then another model of other frequencies;
     under inference mode, where no tensor counts its changes. Each step equals its whole forward: a forward's
-    cos/sin serve its own later layers only (`engine.shared_by_layers`)."""
+    cos/sin serve its own later layers only (`turns.shared_by_layers`)."""
     models = [hfa.patch(sharp_model("llama", rope_theta=theta), **METHODS[method]) for theta in (100.0, 37.0)]
     first, other = models
     token = torch.tensor([[5], [7]])
@@ -334,7 +334,7 @@ def test_a_step_reads_no_cos_sin_made_in_another_forward(method):
 @pytest.mark.parametrize("method", list(METHODS))
 def test_a_decoding_step_makes_its_cos_sin_once_not_in_every_layer(method, monkeypatch):
     """Self-Extend's and DCA's steps turn keys by cos/sin of the step's positions alone, and rotate the new token
-    at the store by others: the first layer makes them, the later layers read them (`engine.shared_by_layers`),
+    at the store by others: the first layer makes them, the later layers read them (`turns.shared_by_layers`),
     so that a step of 4 layers computes as many as a step of 1."""
     made = []
     cos_sin = RotaryFrequencies.cos_sin
@@ -421,7 +421,7 @@ def test_the_fused_blocks_without_a_mask_equal_the_reference(attn, method, rows,
     every query meets unmasked, a masked block at either side). Chunks of the span (4: the window, DCA's
     cells) or of 3, which divides neither; a whole forward, chunks onto the model's cache, and positions that
     start at 3 (DCA's cells then fall elsewhere in the cache), each against the per-pair reference."""
-    monkeypatch.setattr(engine, "SPLIT_ROWS", rows)
+    monkeypatch.setattr(prefill, "SPLIT_ROWS", rows)
     patched, reference = patched_beside_reference(sharp_model("llama", attn), EVERY_METHOD[method])
     ids = sharp_inputs(length=24, padded=False)["input_ids"]
     later = {"position_ids": torch.arange(3, 27)[None]}
@@ -438,7 +438,7 @@ def test_the_fused_blocks_without_a_mask_equal_the_reference(attn, method, rows,
 @pytest.mark.parametrize("attn", ["sdpa+fused"], indirect=True)
 def test_the_fused_blocks_gradients_match_the_reference(attn, method, monkeypatch):
     """Backward through the blocks (chunks of 3, with a learnable exit), every weight's gradient."""
-    monkeypatch.setattr(engine, "SPLIT_ROWS", 3)
+    monkeypatch.setattr(prefill, "SPLIT_ROWS", 3)
     options = {**EVERY_METHOD[method], "sink_logit": "learnable"}
     patched, reference = patched_beside_reference(sharp_model("llama", attn), options)
     assert_gradients_match(patched, reference, sharp_inputs(length=24, padded=False))

@@ -36,7 +36,7 @@ from model_zoo import EAGER_ONLY, LOGIT_TOLERANCE, family_types, head_of, refere
 import hf_attnscale as hfa
 from hf_attnscale.core.call import rope
 from hf_attnscale.core.options.methods import rerope
-from hf_attnscale.core.parts import engine
+from hf_attnscale.core.parts import decode, prefill
 
 WINDOW, LEAK, LENGTH = 4, 3.0, 16
 OPTIONS = {
@@ -213,8 +213,8 @@ def test_a_decoding_step_adds_few_operators_per_layer(option, per_layer, monkeyp
     """A GPU runs every operator of an eager decoding step as one launch at least, and a small model's step waits
     on launches. ReRoPE's step adds, per layer, the turns of the query and of the near keys (5 each) and the
     keys' concatenation (1); leaky ReRoPE turns the far keys too (5), by cos/sin kept across steps (37 when each
-    layer computed them). Counted on the path a GPU takes: the segments joined (`engine.scores_in_place`)."""
-    monkeypatch.setattr(engine, "scores_in_place", lambda run, query: False)
+    layer computed them). Counted on the path a GPU takes: the segments joined (`decode.scores_in_place`)."""
+    monkeypatch.setattr(decode, "scores_in_place", lambda run, query: False)
 
     def step_operators(layers: int, **options) -> int:
         model = sharp_model("llama", num_hidden_layers=layers)
@@ -263,7 +263,7 @@ def test_a_bfloat16_step_in_place_is_as_near_float32_as_the_joined_one(option, m
     model = hfa.patch(sharp_model("llama", "sdpa"), **OPTIONS[option])
 
     def step(in_place: bool) -> torch.Tensor:
-        monkeypatch.setattr(engine, "scores_in_place", lambda run, query: in_place)
+        monkeypatch.setattr(decode, "scores_in_place", lambda run, query: in_place)
         return one_step(model)
 
     want = step(False)  # float32, sdpa's kernel (the float32 step in place equals it: the generate() tests)
@@ -319,8 +319,8 @@ def test_packed_sequences_equal_each_alone(attn, option, monkeypatch):
     first, second = torch.randint(3, SHARP_VOCAB, (1, 9)), torch.randint(3, SHARP_VOCAB, (1, 7))
     positions = torch.cat([torch.arange(9), torch.arange(7)])[None]
     checked = []
-    remember = engine._CHECKED.remember
-    monkeypatch.setattr(engine._CHECKED, "remember", lambda *args: checked.append(args) or remember(*args))
+    remember = prefill._CHECKED.remember
+    monkeypatch.setattr(prefill._CHECKED, "remember", lambda *args: checked.append(args) or remember(*args))
     with torch.no_grad():
         packed = model(torch.cat([first, second], 1), position_ids=positions, use_cache=False).logits
         alone = torch.cat([model(first).logits, model(second).logits], 1)
@@ -392,10 +392,10 @@ def test_a_one_row_mask_with_more_columns_than_keys(jump):
     positions = (torch.arange(5) + 2 + 3 * jump * (torch.arange(5) > 2))[None]
     mask = torch.ones(1, 1, 1, 2 + 5 + 1, dtype=torch.bool)
     if not jump:
-        engine.check_positions(rerope(4), positions, mask, past=2)
+        prefill.check_positions(rerope(4), positions, mask, past=2)
         return
     with pytest.raises(ValueError, match="position_ids jump or restart"):
-        engine.check_positions(rerope(4), positions, mask, past=2)
+        prefill.check_positions(rerope(4), positions, mask, past=2)
 
 
 def test_a_forwards_positions_are_checked_once_per_mask(monkeypatch):
@@ -404,8 +404,8 @@ def test_a_forwards_positions_are_checked_once_per_mask(monkeypatch):
     model = zoo_model("gemma3_text", "sdpa", num_hidden_layers=4, layer_types=types, sliding_window=6)
     hfa.patch(model, **OPTIONS["rerope"])
     checked = []
-    remember = engine._CHECKED.remember
-    monkeypatch.setattr(engine._CHECKED, "remember", lambda *args: checked.append(args) or remember(*args))
+    remember = prefill._CHECKED.remember
+    monkeypatch.setattr(prefill._CHECKED, "remember", lambda *args: checked.append(args) or remember(*args))
     with torch.no_grad():
         model(**sharp_inputs(vocab=min(model.config.vocab_size, 100)))
     assert len(checked) == 2
@@ -470,10 +470,10 @@ def test_long_input_runs_in_query_chunks(monkeypatch, attn):
     """Where the mask bounds a chunk to fewer queries than the window, the queries run in those pieces (3, and
     1 last), with the same result."""
     patched, reference = patched_beside_reference(sharp_model("llama", attn), OPTIONS["leaky"])
-    monkeypatch.setattr(engine, "MASK_CHUNK", 3 * (LENGTH + WINDOW))
+    monkeypatch.setattr(prefill, "MASK_CHUNK", 3 * (LENGTH + WINDOW))
     chunks = []
-    part = engine.KeyPart
-    monkeypatch.setattr(engine, "KeyPart", lambda q, *rest: chunks.append(q.shape[2]) or part(q, *rest))
+    part = prefill.KeyPart
+    monkeypatch.setattr(prefill, "KeyPart", lambda q, *rest: chunks.append(q.shape[2]) or part(q, *rest))
     assert_logits_match(patched, reference, sharp_inputs())
     assert set(chunks) == {3, 1}, chunks  # 16 queries: five chunks of 3, then 1 (unbounded: 4, the window)
 

@@ -88,6 +88,19 @@ def visible_entries(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
 
 
+def chunk_visible(mask, start, stop, k_len, q_pos, sliding_window, device) -> torch.Tensor:
+    """Which keys a chunk of queries sees, bool ``(B|1, 1|H, c, Tk)``: the rows ``start .. stop - 1`` of ``mask``
+    (4D, or one row for all), else causal at the places ``q_pos`` ``(c, 1)``, within ``sliding_window``."""
+    if mask is not None:
+        rows = mask[..., start:stop, :k_len] if mask.shape[-2] > 1 else mask[..., :k_len]
+        return visible_entries(rows)
+    keys = torch.arange(k_len, device=device)
+    visible = keys <= q_pos
+    if sliding_window:
+        visible = visible & (q_pos - keys < sliding_window)
+    return visible[None, None]
+
+
 def _visible_range(q_len, k_len, mask, causal, sliding_window, bottom_right, device):
     """``[lo, hi)``: the key positions each query may see, before padding ``(Tq,)`` each."""
     device = mask.device if mask is not None else device

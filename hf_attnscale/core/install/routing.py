@@ -41,7 +41,8 @@ from hf_attnscale.core.install.families import Rotary, own_sliding_window
 from hf_attnscale.core.install.wrappers import wrapped
 from hf_attnscale.core.options.declare import RAW, Method
 from hf_attnscale.core.options.methods import method_of
-from hf_attnscale.core.parts.engine import PartsCall, at_store, check_parts_backend
+from hf_attnscale.core.parts.engine import PartsCall, check_parts_backend
+from hf_attnscale.core.parts.turns import at_store
 
 ATTENTION_STEP = "attention_step"
 CACHE_ARGUMENTS = ("past_key_values", "cache", "layer_past")
