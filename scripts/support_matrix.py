@@ -128,6 +128,8 @@ def main() -> None:
         "`refused` means the library refuses with a reason (listed below); `n/a`: a decoder without RoPE; –: not "
         "applicable (streaming or a position method on an encoder, or sdpa on a model that only runs eager).",
         "",
+        'Layers with a sliding window of their own (Gemma-2/3, Mistral v0.1, Qwen2 with `use_sliding_window`, Cohere-2): a position method changes only distances of at least its near part (ReRoPE w + 1, Self-Extend w (+ 1 where G divides w), DCA l + 2, STRING S; `Method.exact_below`), so a layer whose window is no wider runs as the model has it, STRING\'s factor included: under ReRoPE w8192 on Gemma-3, the 15 local layers of 512 keys are the model\'s own and the 3 global ones are patched (tests/core/test_engine.py). A narrower near part reaches the local layers too, inside their window. logn leaves them as they are (n ≤ 512 < L: its clamp); RoPE rescaling takes its parameters by layer type, `rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0}}` for the global layers alone.',
+        "",
         "## Totals",
         "",
         *summary(rows, columns, headings),

@@ -217,6 +217,26 @@ def logit_rows(model: nn.Module, input_ids: torch.Tensor, rows: int, **kwargs) -
     return model(input_ids=input_ids, **kwargs).logits[:, -rows:]
 
 
+def chunked_logit_rows(model: nn.Module, input_ids: torch.Tensor, rows: int, chunk_size: int) -> torch.Tensor:
+    """`logit_rows` over ``input_ids`` ``(B, T)`` read ``chunk_size`` tokens a call through a `DynamicCache` (each
+    layer keeps what the model's own cache keeps: a sliding-window layer, its window), at the RoPE frequencies of
+    one call over the T tokens (`frequencies_of_length`): the same logits, with one chunk's activations and
+    scores at a time, not the whole call's (Gemma-3's local layers then score a chunk against their window alone,
+    not against a T × T mask). Rows stay apart: right padding after a row's tokens changes none of its logits."""
+    total = input_ids.shape[1]
+    rows = min(max(rows, 1), total)
+    with_cache = {cache_argument(model): DynamicCache(config=model.config)}
+    kept = []
+    with frequencies_of_length(model, total):
+        for start in range(0, total, chunk_size):
+            stop = min(start + chunk_size, total)
+            keep = stop - max(start, total - rows)  # the chunk's rows among the last ``rows`` (<= 0: none)
+            logits = logit_rows(model, input_ids[:, start:stop], max(keep, 1), use_cache=True, **with_cache)
+            if keep > 0:
+                kept.append(logits[:, -keep:])
+    return torch.cat(kept, dim=1) if len(kept) > 1 else kept[0]
+
+
 def takes_logits_to_keep(model: nn.Module) -> bool:
     """Whether ``model``'s forward (a PEFT model's: its base model's) takes transformers' ``logits_to_keep``."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -43,6 +43,7 @@ from hf_attnscale.core.options.config import (
 from hf_attnscale.core.options.validation import check_int
 from hf_attnscale.evaluation.mlm import pseudo_log_likelihood
 from hf_attnscale.evaluation.perplexity import (
+    chunked_logit_rows,
     PerplexityResult,
     logit_rows,
     perplexity,
@@ -121,7 +122,8 @@ class HFAttnScaleLM(HFLM):
             command line (`hf_attnscale.core.options.config.default_train_length`).
         sink_tokens: sink tokens of the streaming cache (default with ``window``: SinkCache's; 0: window-only).
         window: recent tokens each query sees while streaming; None (default) keeps lm-eval's windows.
-        chunk_size: tokens per model call, streamed or dense (memory only; results do not depend on it).
+        chunk_size: tokens per model call, streamed or dense, a loglikelihood request's and a generated prompt's
+            too (memory and time only; results do not depend on it).
         gguf_file: a GGUF file in the ``pretrained`` folder or Hub repo (or a path to one), loaded de-quantised
             to a plain model (`hf_attnscale.from_pretrained`).
         position_buckets: the edges of the perplexity tasks' position buckets, ``"2048;4096;8192"``
@@ -404,7 +406,8 @@ class HFAttnScaleLM(HFLM):
     def _model_call(self, inps: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """HFLM's model call on a right-padded batch of loglikelihood requests: the logits of the batch's last
         positions only, from the first that predicts a continuation token of any row (`_rows_to_keep`), not
-        ``(B, T, V)``, and no cache is kept (HFLM's own call keeps the keys and values of every layer). HFLM
+        ``(B, T, V)``, and no cache is kept (HFLM's own call keeps the keys and values of every layer); a batch
+        longer than ``chunk_size`` is read that many tokens a call (`chunked_logit_rows`). HFLM
         reads a shorter logits tensor as ending where the batch ends (its slicing allows for prefix tokens),
         so its answers stay its own."""
         self._read(inps.shape[-1])  # HFLM's dense loglikelihood batches (right-padded to the longest)
@@ -413,6 +416,8 @@ class HFAttnScaleLM(HFLM):
             return super()._model_call(inps, *args, **kwargs)
         mixed = getattr(self, "mixed_precision_dtype", None)  # HFLM's autocast, as its own call takes it
         with torch.no_grad(), torch.autocast(self.device.type, dtype=mixed, enabled=mixed is not None):
+            if inps.shape[-1] > self.chunk_size:  # one chunk's activations at a time
+                return chunked_logit_rows(self.model, inps, rows, self.chunk_size)
             return logit_rows(self.model, inps, rows, use_cache=False)  # a score needs no cache after it
 
     def _rows_to_keep(self, inps: torch.Tensor) -> int | None:

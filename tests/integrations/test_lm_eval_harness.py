@@ -305,6 +305,43 @@ def test_without_a_window_loglikelihood_is_lm_evals_own_without_logits_over_the_
     assert max(rows) == max(continuations)  # one request a call: its longest continuation's rows at most
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "gemma3_text"])
+def test_a_request_longer_than_chunk_size_is_read_in_chunks_with_stock_hflms_answers(
+    model_type, tiny, long_pairs
+):
+    """A loglikelihood request longer than ``chunk_size`` is read that many tokens a call through the model's own
+    cache (`chunked_logit_rows`): lm-eval's answers as stock HFLM gives them from one whole call, batched and
+    alone, with Gemma-2's soft-cap and Gemma-3's sliding-window layers (a window of 24, shorter than the requests),
+    and no call reads more than ``chunk_size`` tokens."""
+    _, tokenizer = tiny
+    attention = "eager" if model_type == "gemma2" else "sdpa"  # Gemma-2 refuses sdpa
+    overrides = {}
+    if model_type == "gemma3_text":
+        overrides = {"sliding_window": 24, "layer_types": ["sliding_attention", "full_attention"]}
+    model = tiny_lm_for(
+        tokenizer,
+        model_type,
+        attention,
+        max_position_embeddings=512,
+        **ENDINGS.get(model_type, {}),
+        **overrides,
+    )
+    pairs = long_pairs
+    continuations = [len(encoded(tokenizer, *pair)[1]) for pair in pairs]
+    stock = HFLM(pretrained=model, tokenizer=tokenizer, max_length=128, batch_size=4)
+    answers = stock.loglikelihood(loglikelihood_requests(pairs))
+    read: list[int] = []
+    model.register_forward_pre_hook(
+        lambda m, args, kwargs: read.append(kwargs["input_ids"].shape[-1]), with_kwargs=True
+    )
+    for batch_size in (3, 1):
+        ours = HFAttnScaleLM(
+            pretrained=model, tokenizer=tokenizer, max_length=128, batch_size=batch_size, chunk_size=32
+        )
+        assert_same_answers(ours.loglikelihood(loglikelihood_requests(pairs)), answers, continuations)
+    assert max(read) == 32 and len(read) > 2 * len(pairs)
+
+
 def test_documents_read_in_windows_say_so(tiny, texts, capsys):
     """A document longer than max_length is read in lm-eval's windows, so a token past max_length is not read
     with the whole document before it: one note line says how many; none when every document fits, one of
