@@ -43,8 +43,8 @@ from hf_attnscale.core.options.config import (
 from hf_attnscale.core.options.validation import check_int
 from hf_attnscale.evaluation.mlm import pseudo_log_likelihood
 from hf_attnscale.evaluation.perplexity import (
-    chunked_logit_rows,
     PerplexityResult,
+    chunked_logit_rows,
     logit_rows,
     perplexity,
     takes_logits_to_keep,
