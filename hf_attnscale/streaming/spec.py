@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_attnscale.core.call.backends import check_backend
+from hf_attnscale.core.call.backends import DENSE_MASK_BACKENDS, check_backend
 from hf_attnscale.core.call.rope import ROPE_FUNCTION, RotateFn, family_rope, family_rotation, no_rotation
 from hf_attnscale.core.call.state import state_of
 from hf_attnscale.core.install.families import (
@@ -28,7 +28,6 @@ from hf_attnscale.core.install.wrappers import unwrap
 from .plan import LayerGeometry, layer_geometry
 from .rope import RopeTable, length_dependent
 
-STREAMING_BACKENDS = ("eager", "sdpa")
 UNPATCHED_MESSAGE = (
     "This attention module cannot stream with a SinkCache, which needs a RoPE decoder patched with hfa.patch(model) "
     "(with no options it changes nothing else) on eager or sdpa attention; not encoders or models without RoPE."
@@ -71,9 +70,9 @@ def check_streaming_model(model: nn.Module) -> None:
 
 
 def check_streaming_backend(attn_implementation: str | None) -> None:
-    """Raise ValueError unless the backend takes the dense band mask streaming needs (`STREAMING_BACKENDS`)."""
+    """Raise ValueError unless the backend takes the dense band mask streaming needs (`DENSE_MASK_BACKENDS`)."""
     check_backend(
-        attn_implementation, STREAMING_BACKENDS, "SinkCache streaming (its band mask is a dense 4D mask)"
+        attn_implementation, DENSE_MASK_BACKENDS, "SinkCache streaming (its band mask is a dense 4D mask)"
     )
 
 

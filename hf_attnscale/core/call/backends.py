@@ -42,6 +42,8 @@ class Backend:
         fused_parts: a method's key parts may take a fused kernel in place of the backend, PyTorch's flash kernel
             on the CPU (`hf_attnscale.core.parts.key_parts`) and flex_attention on CUDA
             (`hf_attnscale.core.parts.flex_parts`): the backend is sdpa, whose kernels these are.
+        dense_masks: it takes a dense 4D mask of any pattern, which a method of key parts (each key shown its part)
+            and a `SinkCache` (its band of sinks and window) need.
     """
 
     name: str
@@ -50,6 +52,7 @@ class Backend:
     exit: ExitFn
     exit_on_cpu: bool = True
     fused_parts: bool = False
+    dense_masks: bool = False
 
     def function(self, module: nn.Module) -> AttentionFn:
         """The backend's attention function for ``module``: eager is the one of the module's own modeling file."""
@@ -89,14 +92,29 @@ def _sdpa_exit(backend_fn, module, query, key, value, mask, exit_logits, causal,
 BACKENDS: dict[str, Backend] = {
     backend.name: backend
     for backend in (
-        Backend("eager", bottom_right=False, soft_caps=True, exit=_bias_folded(extra_key_attention)),
-        Backend("sdpa", bottom_right=False, soft_caps=False, exit=_bias_folded(_sdpa_exit), fused_parts=True),
+        Backend(
+            "eager",
+            bottom_right=False,
+            soft_caps=True,
+            exit=_bias_folded(extra_key_attention),
+            dense_masks=True,
+        ),
+        Backend(
+            "sdpa",
+            bottom_right=False,
+            soft_caps=False,
+            exit=_bias_folded(_sdpa_exit),
+            fused_parts=True,
+            dense_masks=True,
+        ),
         Backend("flash_attention_2", bottom_right=True, soft_caps=True, exit=native_exit),
         Backend("flash_attention_3", bottom_right=True, soft_caps=True, exit=native_exit),
         Backend("flex_attention", bottom_right=False, soft_caps=True, exit=native_exit, exit_on_cpu=False),
     )
 }
 SUPPORTED_BACKENDS = tuple(BACKENDS)
+DENSE_MASK_BACKENDS = tuple(name for name, backend in BACKENDS.items() if backend.dense_masks)
+"""The backends a method of key parts and a `SinkCache` run on."""
 
 
 def check_backend(

@@ -24,22 +24,21 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_attnscale.core.call.backends import check_backend
+from hf_attnscale.core.call.backends import DENSE_MASK_BACKENDS, check_backend
 from hf_attnscale.core.call.hooks import Execution
 from hf_attnscale.core.options.declare import Method
 from hf_attnscale.core.parts.decode import decode
 from hf_attnscale.core.parts.prefill import prefill
 from hf_attnscale.core.parts.turns import PartsRotation, rotary_times
 
-BACKENDS = ("eager", "sdpa")
-"""The backends the engine runs on: it shows each key its part by a dense mask."""
-
 
 def check_parts_backend(backend: str | None, method: Method) -> None:
     """Refuse, in one line, a backend the engine cannot run on (checked when patching and at every call, as
     ``set_attn_implementation`` may switch it in between)."""
     check_backend(
-        backend, BACKENDS, f"{method.option}: {method.name} (it shows each key its part by a dense mask)"
+        backend,
+        DENSE_MASK_BACKENDS,
+        f"{method.option}: {method.name} (it shows each key its part by a dense mask)",
     )
 
 
