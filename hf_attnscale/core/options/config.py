@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import json
 import math
 import textwrap
 from collections.abc import Callable
@@ -11,6 +10,13 @@ from dataclasses import Field, asdict, dataclass, field, fields
 from typing import Any, Literal, get_args
 
 from hf_attnscale.core.options.methods import METHOD_OPTIONS, check_methods, entry_of
+from hf_attnscale.core.options.text import (
+    read_bool,
+    read_clip_bounds,
+    read_length,
+    read_rope_parameters,
+    read_sink_logit,
+)
 from hf_attnscale.core.options.validation import check_int
 
 CONFIG_KEY = "hf_attnscale"
@@ -43,69 +49,6 @@ def _option(
     and whether it acts on what a head may output (``head``: the trainers of the shipped encoder leave those
     out). `hfa.patch`, the CLI's flags and the lm-eval model type all read these fields."""
     return {"help": help, "parse": parse, "choices": choices, "metavar": metavar, "head": head}
-
-
-def read_bool(text: str) -> bool:
-    """A yes/no option's text: true/false, 1/0, yes/no."""
-    words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-    if text.lower() not in words:
-        raise ValueError(f"expected true or false, got {text!r}")
-    return words[text.lower()]
-
-
-def _length(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"expected a whole number of tokens, got {text!r}") from None
-    if value < 2:
-        raise ValueError(f"must be at least 2, got {value}")
-    return value
-
-
-def _sink_logit(text: str) -> float | str:
-    if text == "learnable":
-        return text
-    try:
-        return float(text)
-    except ValueError:
-        raise ValueError(f"expected a number or 'learnable', got {text!r}") from None
-
-
-def _rope_parameters(text: str) -> dict[str, Any]:
-    """transformers' ``rope_parameters`` as JSON, or ``key=value`` pairs joined by ``;`` (lm-eval's model_args
-    are comma-separated): ``rope_type=yarn;factor=4``."""
-    if text.lstrip().startswith("{"):
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"expected a JSON object, got {text!r} ({error.msg})") from None
-    pairs = [part.split("=", 1) for part in text.split(";") if part.strip()]
-    if not pairs or any(len(pair) != 2 for pair in pairs):
-        raise ValueError(
-            f"expected KEY=VALUE pairs joined by ';' (e.g. rope_type=yarn;factor=4), got {text!r}"
-        )
-    return {key.strip(): _number_or_text(value.strip()) for key, value in pairs}
-
-
-def _number_or_text(text: str) -> Any:
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-def _clip_bounds(text: str) -> tuple[float, float] | str:
-    """``GAMMA,ZETA`` or ``GAMMA;ZETA`` (lm-eval's model_args are comma-separated), or ``learnable``."""
-    if text == "learnable":
-        return text
-    try:
-        gamma, zeta = (float(part) for part in text.replace(";", ",").split(","))
-    except ValueError:
-        raise ValueError(f"expected GAMMA,ZETA (e.g. -0.03,1) or 'learnable', got {text!r}") from None
-    return gamma, zeta
 
 
 def _with_method_options(cls: type) -> type:
@@ -185,7 +128,7 @@ class AttnScaleConfig:
         default=None,
         metadata=_option(
             "L, the model's trained length (on the command line: default max_position_embeddings)",
-            parse=_length,
+            parse=read_length,
             metavar="N",
         ),
     )
@@ -196,7 +139,7 @@ class AttnScaleConfig:
     )
     sink_logit: SinkLogit = field(
         default=None,
-        metadata=_option("an exit with this logit, or 'learnable'", parse=_sink_logit, head=True),
+        metadata=_option("an exit with this logit, or 'learnable'", parse=read_sink_logit, head=True),
     )
     beta: float | None = field(
         default=None,
@@ -206,7 +149,7 @@ class AttnScaleConfig:
         default=None,
         metadata=_option(
             "clip((zeta - gamma) * softmax + gamma, 0, 1), e.g. -0.03,1 (or -0.03;1); or 'learnable'",
-            parse=_clip_bounds,
+            parse=read_clip_bounds,
             metavar="GAMMA,ZETA",
             head=True,
         ),
@@ -219,7 +162,7 @@ class AttnScaleConfig:
         default=None,
         metadata=_option(
             "S2-Attn while training: attention in groups of G tokens, half the heads shifted by G/2",
-            parse=_length,
+            parse=read_length,
             metavar="G",
         ),
     )
@@ -228,7 +171,7 @@ class AttnScaleConfig:
         hash=False,  # a dict: the rest of the options hash the config (equality still compares it)
         metadata=_option(
             "RoPE rescaling: transformers' rope_parameters, JSON or rope_type=yarn;factor=4",
-            parse=_rope_parameters,
+            parse=read_rope_parameters,
             metavar="PARAMS",
         ),
     )

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from hf_attnscale.core.options.config import OPTIONS, AttnScaleConfig, read_bool
+from hf_attnscale.core.options.config import OPTIONS, AttnScaleConfig
+from hf_attnscale.core.options.text import read_bool
 
 LENGTH_OPTION = "train_length"
 """The option whose flag a caller may rename (the trainers' ``--scale-length``); it is stored as ``scale_length``."""
