@@ -159,7 +159,8 @@ def gemma(monkeypatch):
 def test_section_14_runs_in_the_issues_order_and_picks_the_best_for_the_longer_cells(gemma, tmp_path):
     order = gemma.cells({})
     names = gemma.METHOD_NAMES
-    assert order[: 3 * len(names)] == [(m, 32768, d, 0) for m in names for d in gemma.DEPTHS]
+    assert order[: 2 * len(names)] == [(m, 32768, d, 0) for m in names for d in gemma.DEPTHS[:2]]
+    assert order[2 * len(names) : 3 * len(names)] == [(m, 32768, 1.0, 0) for m in names]
     assert {(n, s) for _, n, _, s in order[3 * len(names) : 9 * len(names)]} == {(32768, 1), (32768, 2)}
     document = order.index((names[0], gemma.DOCUMENT_TOKENS, -1.0, 0))
     assert {n for _, n, _, _ in order[:document]} == {32768, 16384}
