@@ -147,14 +147,20 @@ def rotated(x, angle_steps, inv_freq, scale, layout="halves"):
     return torch.cat([pairs, rest.expand(*pairs.shape[:-1], rest.shape[-1])], dim=-1)
 
 
-def rerope_logits(q, k, window, leak, inv_freq, scale, layout="halves"):
+def rerope_logits(q, k, window, leak, inv_freq, scale, layout="halves", positions=None):
     """ReRoPE's scores (B,H,Tq,Tk) from raw ``q`` (B,H,Tq,D) and ``k`` (B,Hkv,Tk,D), the queries the last Tq
     positions: each pair at its distance d = i - j, clamped to ``window`` (leaky: ``window + (d - window) /
-    leak``), as ``R(d') q · k``, pair by pair."""
+    leak``), as ``R(d') q · k``, pair by pair; i and j the places, or each key's own ``positions`` ``(B|1, Tk)``
+    (PoSE's, which jump), row by row."""
+    if positions is not None and positions.shape[0] > 1:
+        rows = [(q[b : b + 1], k[b : b + 1], positions[b : b + 1]) for b in range(q.shape[0])]
+        return torch.cat(
+            [rerope_logits(*row[:2], window, leak, inv_freq, scale, layout, row[2]) for row in rows]
+        )
     heads, q_len, k_len = q.shape[1], q.shape[2], k.shape[2]
     k = k.repeat_interleave(heads // k.shape[1], dim=1)
-    i = torch.arange(k_len - q_len, k_len, device=q.device)[:, None]
-    j = torch.arange(k_len, device=q.device)[None, :]
+    places = torch.arange(k_len, device=q.device) if positions is None else positions[0]
+    i, j = places[k_len - q_len :, None], places[None, :]
     d = (i - j).to(torch.float64)
     far = window + (d - window) / leak if leak else torch.full_like(d, float(window))
     distance = torch.where(d < window, d, far)  # (Tq, Tk)
@@ -316,7 +322,10 @@ def reference_forward(module, query, key, value, attention_mask, scaling=None, d
         bias = kwargs["position_bias"] if bias is None else bias + kwargs["position_bias"]
     logits = None
     if ref.rerope is not None and ref.rerope_rope is not None:
-        logits = rerope_logits(query, key, *ref.rerope, *ref.rerope_rope())
+        positions = kwargs.get("position_ids")
+        if positions is not None and positions.shape[-1] != k_len:  # a step onto a cache: its places
+            positions = None
+        logits = rerope_logits(query, key, *ref.rerope, *ref.rerope_rope(), positions=positions)
     if ref.method is not None and ref.rerope_rope is not None:
         positions = kwargs.get("position_ids")
         if positions is None or positions.shape[-1] != k_len:  # the model's default: the cache's places

@@ -6,8 +6,8 @@ offset in the window plus a skip u_i, with u_0 = 0 and u_i drawn uniformly from 
 so the skips never decrease and the last id stays below ``target_length``. The model then sees, in a window it
 can afford, the distances of the target length (every distance up to ``target_length − 1`` can occur). Pair it
 with RoPE rescaling (``rope_parameters``: linear, dynamic NTK or YaRN) or logn, as the paper does with
-interpolation; a method of key parts (ReRoPE, Self-Extend, DCA, STRING) counts positions in the cache and refuses
-position ids that jump, in one line.
+interpolation, or with a method of key parts (ReRoPE, Self-Extend, DCA, STRING), which scores each pair of a
+training window at the positions given (while training, or with no cache: jumps onto a cache are refused).
 
 >>> ids = hfa.pose_position_ids(2048, 32768, chunks=2, generator=torch.Generator().manual_seed(0))
 >>> trainer = Trainer(model, args, train_dataset=windows, data_collator=hfa.PoSECollator(tokenizer, 32768))

@@ -587,10 +587,10 @@ def test_calls_it_cannot_serve_are_refused_in_one_line(method):
         "a static cache": {
             "past_key_values": transformers.StaticCache(config=model.config, max_cache_len=32)
         },
-        "position_ids jump or restart": {"position_ids": (torch.arange(16) % 9)[None], "use_cache": False},
+        "position_ids go back or restart": {"position_ids": (torch.arange(16) % 9)[None], "use_cache": False},
     }
     if method_of(hfa.get_config(model)).by_distance:  # STRING counts distances in the cache, as ReRoPE does:
-        del refused["position_ids jump or restart"]  # packed sequences pass (tests/core/test_rerope.py)
+        del refused["position_ids go back or restart"]  # packed sequences pass (tests/core/test_rerope.py)
     for message, arguments in refused.items():
         with pytest.raises(ValueError, match=message) as error:
             model(ids, **arguments)

@@ -352,13 +352,13 @@ POSITIONS = {  # (inputs for 16 tokens, whether ReRoPE serves them)
     "offset by 5": (lambda ids: {"position_ids": torch.arange(16) + 5}, True),
     "restart onto a cache": (lambda ids: {"position_ids": torch.arange(16) % 9}, False),
     "a jump": (lambda ids: {"position_ids": torch.arange(16) + 4 * (torch.arange(16) > 7)}, False),
-    "a jump under a mask": (
+    "a jump under a mask, no cache": (  # PoSE's: each pair at its positions (tests/integrations/test_pose.py)
         lambda ids: {
             "position_ids": torch.arange(16) * 2,
             "attention_mask": torch.ones_like(ids),
             "use_cache": False,
         },
-        False,
+        True,
     ),
 }
 
@@ -379,7 +379,7 @@ def test_positions_that_do_not_run_on_by_one_are_refused_in_one_line(case, attn,
             model(**inputs)
         return
     with pytest.raises(
-        ValueError, match=f"{next(iter(BY_DISTANCE[option]))}: position_ids jump or restart"
+        ValueError, match=f"{next(iter(BY_DISTANCE[option]))}: position_ids (jump|go back)"
     ) as error:
         model(**inputs)
     assert "\n" not in str(error.value)
@@ -394,7 +394,7 @@ def test_a_one_row_mask_with_more_columns_than_keys(jump):
     if not jump:
         prefill.check_positions(rerope(4), positions, mask, past=2)
         return
-    with pytest.raises(ValueError, match="position_ids jump or restart"):
+    with pytest.raises(ValueError, match="position_ids jump and go back"):  # the one row shows later keys too
         prefill.check_positions(rerope(4), positions, mask, past=2)
 
 
@@ -433,7 +433,9 @@ def test_a_chunk_onto_the_cache_under_a_mask_is_checked_against_its_own_keys(jum
         if not jump:
             model(**second)
             return
-        with pytest.raises(ValueError, match="rerope_window: position_ids jump or restart"):
+        with pytest.raises(
+            ValueError, match="rerope_window: position_ids jump in a call onto or into a cache"
+        ):
             model(**second)
 
 

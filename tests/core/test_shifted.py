@@ -12,8 +12,9 @@ from hf_attnscale.core.call.shifted import shifted_sparse_attention
 
 
 def reference(q, k, v, group, allowed=None, scaling=None):
-    """Per pair: query i of head h sees key j <= i in its own group, the second half of the heads' groups
-    shifted by G/2 (``(i + G/2) // G``), and where ``allowed`` (B, T, T) says so; plain softmax."""
+    """Per pair: query i of head h sees key j <= i in its own group, the second half of the heads' groups (the
+    smaller of an odd count's) shifted by G/2 (``(i + G/2) // G``), and where ``allowed`` (B, T, T) says so;
+    plain softmax."""
     batch, heads, length, dim = q.shape
     k = k.repeat_interleave(heads // k.shape[1], dim=1)
     v = v.repeat_interleave(heads // v.shape[1], dim=1)
@@ -22,7 +23,7 @@ def reference(q, k, v, group, allowed=None, scaling=None):
     i = torch.arange(length)[:, None]
     j = torch.arange(length)[None, :]
     for h in range(heads):
-        shift = group // 2 if h >= heads // 2 else 0
+        shift = group // 2 if h >= heads - heads // 2 else 0
         sees = (j <= i) & ((i + shift) // group == (j + shift) // group)
         for b in range(batch):
             mask = sees if allowed is None else sees & allowed[b]
@@ -83,14 +84,19 @@ def test_nothing_leaks_from_the_end_to_the_first_half_group():
     assert not torch.allclose(moved[:, 4:], out[:, 4:])
 
 
-def test_a_cache_and_an_odd_head_count_are_refused_in_one_line():
+def test_a_cache_is_refused_in_one_line():
     q, k, v = draw(length=8)
     with pytest.raises(ValueError, match="8 queries against 9 keys") as err:
         shifted_sparse_attention(q, torch.cat([k, k[:, :, :1]], 2), torch.cat([v, v[:, :, :1]], 2), None, 4)
     assert "\n" not in str(err.value)
-    q3, k3, v3 = draw(heads=3, kv_heads=1, length=8)
-    with pytest.raises(ValueError, match="3 heads"):
-        shifted_sparse_attention(q3, k3, v3, None, 4)
+
+
+@pytest.mark.parametrize("heads", [3, 9, 1])
+def test_an_odd_head_count_shifts_the_smaller_half(heads):
+    """SmolLM2's 9 heads: the first 5 in groups, the last 4 shifted, as the authors' ``chunk(2)`` splits them;
+    one head alone is never shifted."""
+    q, k, v = draw(heads=heads, kv_heads=1, length=21)
+    torch.testing.assert_close(shifted_sparse_attention(q, k, v, None, 6), reference(q, k, v, 6))
 
 
 @pytest.mark.parametrize(

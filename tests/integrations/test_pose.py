@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SHARP_VOCAB, sharp_model
+from conftest import SHARP_VOCAB, assert_gradients_match, patched_beside_reference, sharp_model
 
 import hf_attnscale as hfa
 
@@ -86,11 +86,11 @@ def windows(count: int, length: int = WINDOW, seed: int = 0) -> list[dict]:
     ]
 
 
-def collator(seed=0, **kwargs):
+def collator(seed=0, target_length=TARGET, **kwargs):
     from transformers import DataCollatorForLanguageModeling
 
     base = DataCollatorForLanguageModeling(Tokenizer(), mlm=False)
-    return hfa.PoSECollator(None, TARGET, seed=seed, collator=base, **kwargs)
+    return hfa.PoSECollator(None, target_length, seed=seed, collator=base, **kwargs)
 
 
 def test_the_collator_adds_a_draw_per_row_to_the_base_collators_batch():
@@ -125,12 +125,45 @@ def test_the_positions_reach_the_model_beside_yarn_and_logn():
     torch.testing.assert_close(loss, torch.stack(by_row).mean(), rtol=1e-5, atol=1e-6)
 
 
-def test_a_method_of_key_parts_refuses_the_jumps_in_one_line():
+KEY_PARTS = {  # each far part reached by the jumps of a 64-token window toward 256
+    "rerope": {"rerope_window": 16},
+    "leaky": {"rerope_window": 16, "rerope_leak": 3.0},
+    "self_extend": {"self_extend_group": 4, "self_extend_window": 16},
+    "dca": {"dual_chunk_size": 48, "dual_chunk_local": 8},
+    "string": {"string_shift": 100, "string_local": 16},
+}
+
+
+@pytest.mark.parametrize("method", list(KEY_PARTS))
+def test_pose_beside_a_method_of_key_parts_equals_its_reference_forward_and_backward(method):
+    """While training (the model's cache is read by no later call), each pair of a PoSE window is scored at its
+    own positions, which jump: the logits and every weight's gradient equal the reference's, which places each
+    pair at the positions given; the same tokens at positions that run on by one score otherwise. Toward 256:
+    the model's own RoPE, computed in float32, parts its sharp logits from the float64 reference by 2e-5 at
+    positions near 1,024, with no patch too."""
+    model = sharp_model(max_position_embeddings=256)
+    patched, reference = patched_beside_reference(model, KEY_PARTS[method])
+    batch = collator(target_length=256)(windows(2))
+    inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
+    patched.train(), reference.train()
+    with torch.no_grad():
+        got = patched(**inputs).logits
+        torch.testing.assert_close(got, reference(**inputs).logits, atol=1e-5, rtol=1e-5)
+        running = patched(**{**inputs, "position_ids": torch.arange(WINDOW).expand(2, -1)}).logits
+    assert not torch.allclose(got, running, atol=1e-3)
+    assert_gradients_match(patched, reference, inputs)
+
+
+def test_a_method_of_key_parts_refuses_jumps_kept_in_a_cache_in_one_line():
+    """Out of training, with the model's cache, a later call would read the keys at other distances: refused."""
     model = sharp_model(max_position_embeddings=TARGET)
     hfa.patch(model, rerope_window=16)
-    with pytest.raises(ValueError, match="position_ids jump or restart") as err:
-        model(**collator()(windows(1)))
+    batch = collator()(windows(1))
+    with pytest.raises(ValueError, match="position_ids jump in a call onto or into a cache") as err:
+        model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
     assert "\n" not in str(err.value)
+    with torch.no_grad():  # without a cache: each pair at its positions
+        model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
 
 
 def test_trainer_trains_lora_through_the_collator(tmp_path):

@@ -1,14 +1,14 @@
 """LongLoRA's shifted sparse attention (S²-Attn, Chen et al. 2024), while a model trains.
 
 The first half of the heads attend causally within groups of G tokens, [kG, (k+1)G); the second half within
-groups shifted by G/2, [kG − G/2, (k+1)G − G/2), so the first G/2 tokens and the last ones form groups of their
+groups shifted by G/2 (of an odd count, the larger half unshifted, as the authors' ``chunk(2)`` splits them), [kG − G/2, (k+1)G − G/2), so the first G/2 tokens and the last ones form groups of their
 own. The authors' code rolls the shifted heads' tokens by −G/2 and back, which wraps the sequence's first G/2
 tokens into its last group, where its causal mask lets them see the sequence's last tokens: a leak from the future
 while training. Here nothing wraps: the shifted heads' sequence is padded by G/2 empty positions in front, and no
 query sees an empty position but itself.
 
 Each half is one call of ``torch.nn.functional.scaled_dot_product_attention`` on its groups as a batch
-``(B, H/2, T/G, G, D)``, each group's mask the causal one of its G tokens and'ed with the model's own
+``(B, h, T/G, G, D)``, each group's mask the causal one of its G tokens and'ed with the model's own
 ``attention_mask`` (padding, packed sequences) on that group's diagonal block: attention costs T·G, not T².
 """
 
@@ -32,8 +32,7 @@ def shifted_sparse_attention(
     the model's, None (causal) or ``(B or 1, 1, T, T)``, boolean (True: seen) or additive.
 
     Raises:
-        ValueError: more keys than queries (a cache: S²-Attn trains on whole sequences), or an odd number of
-            query heads.
+        ValueError: more keys than queries (a cache: S²-Attn trains on whole sequences).
     """
     heads, length = query.shape[1], query.shape[2]
     if key.shape[2] != length:
@@ -41,18 +40,15 @@ def shifted_sparse_attention(
             f"shifted_sparse_group: {length} queries against {key.shape[2]} keys; S2-Attn trains on whole "
             "sequences, with no cache (pass use_cache=False, or call model.eval() to read densely)."
         )
-    if heads % 2:
-        raise ValueError(
-            f"shifted_sparse_group: {heads} heads; S2-Attn shifts half of them, so it needs an even count."
-        )
     repeat = heads // key.shape[1]
     key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
     seen = _seen(attention_mask, length)
-    half = heads // 2
+    unshifted = heads - heads // 2  # torch.chunk(2)'s first part: SmolLM2's 9 heads, 5 and 4
     outputs = []
-    for shift, heads_of in ((0, slice(0, half)), (group // 2, slice(half, heads))):
+    for shift, heads_of in ((0, slice(0, unshifted)), (group // 2, slice(unshifted, heads))):
         q, k, v = (x[:, heads_of] for x in (query, key, value))
-        outputs.append(_in_groups(q, k, v, seen, group, shift, scaling, dropout))
+        if q.shape[1]:  # one head alone: no shifted half
+            outputs.append(_in_groups(q, k, v, seen, group, shift, scaling, dropout))
     return torch.cat(outputs, dim=1).transpose(1, 2).contiguous()
 
 

@@ -129,6 +129,7 @@ def _parts_forward(self: nn.Module, method: Method, position_embeddings: Any, **
         own=(cos, sin),
         positions=positions,
         layer=index,
+        kept=cache is not None and not self.training,
     )
     if method.store == RAW:
         one, zero = _identity(cos.dtype, cos.device)

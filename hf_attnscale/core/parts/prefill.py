@@ -44,7 +44,8 @@ copies as much."""
 class Prefill(NamedTuple):
     """One prefill call: what the executions read. ``queries[p]`` and ``keys[p]`` are part p's, turned at its
     positions; ``keys[p]`` is ``(keys from its first place, that place)``; ``shift``: each row's offset of the
-    cache's places from the model's positions, where the method places pairs by position (None: by distance)."""
+    cache's places from the model's positions, where the method places pairs by position (None: by distance);
+    ``positions``: every key's own position ``(B|1, Tk)``, where they jump (PoSE's; else None)."""
 
     call: PartsRotation
     run: Execution
@@ -52,6 +53,7 @@ class Prefill(NamedTuple):
     mask: torch.Tensor | None
     sliding_window: int | None
     shift: torch.Tensor | None
+    positions: torch.Tensor | None
     queries: list[torch.Tensor]
     keys: list[tuple[torch.Tensor, int]]
     q_len: int
@@ -64,9 +66,20 @@ class FlexBands:
     whole_keys = True  # a band takes every key of its part
 
     @staticmethod
-    def serves(call: PartsRotation, run: Execution, query, key, value, mask, shift) -> bool:
-        return run.fusable and flex_parts.serves(
-            query, key, value, run.exit_logits, mask is not None, run.scaling, call.method, shift is not None
+    def serves(call: PartsRotation, run: Execution, query, key, value, mask, shift, positions) -> bool:
+        return (
+            run.fusable
+            and positions is None
+            and flex_parts.serves(
+                query,
+                key,
+                value,
+                run.exit_logits,
+                mask is not None,
+                run.scaling,
+                call.method,
+                shift is not None,
+            )
         )
 
     @staticmethod
@@ -90,7 +103,7 @@ class QueryChunks:
     whole_keys = False  # each part's keys from the first that any query reaches
 
     @staticmethod
-    def serves(call: PartsRotation, run: Execution, query, key, value, mask, shift) -> bool:
+    def serves(call: PartsRotation, run: Execution, query, key, value, mask, shift, positions) -> bool:
         return True
 
     @staticmethod
@@ -109,21 +122,23 @@ def prefill(
     method = call.method
     q_len, k_len = query.shape[2], key.shape[2]
     past = k_len - q_len
-    check_positions(method, position_ids, mask, past)
-    shift = None if method.by_distance else row_offsets(position_ids, past)
-    chosen = [e for e in EXECUTIONS if e.serves(call, run, query, key, value, mask, shift)]
+    # positions that jump (PoSE's, no cache): every pair at the positions themselves, whatever the method
+    jumps = check_positions(method, position_ids, mask, past, kept=call.kept)
+    positions = position_ids if jumps else None
+    shift = None if method.by_distance or positions is not None else row_offsets(position_ids, past)
+    chosen = [e for e in EXECUTIONS if e.serves(call, run, query, key, value, mask, shift, positions)]
     # the first key of each part that any query reaches (flex's bands take them all)
     lowest = [
         0 if chosen[0].whole_keys or part.hi is None else max(0, past - part.hi * part.unit + 1)
         for part in method.parts
     ]
-    turned = Turned(call, query, key, past, shift, position_ids)
+    turned = Turned(call, query, key, past, shift, position_ids, positions)
     queries = [turned.queries(part.query) for part in method.parts]
     keys = [
         turned.keys(part.key, min(low for low, other in zip(lowest, method.parts) if other.key == part.key))
         for part in method.parts
     ]
-    p = Prefill(call, run, value, mask, sliding_window, shift, queries, keys, q_len, k_len)
+    p = Prefill(call, run, value, mask, sliding_window, shift, positions, queries, keys, q_len, k_len)
     for execution in chosen:  # the last, QueryChunks, always gives one
         out = execution.run(p)
         if out is not None:
@@ -141,7 +156,8 @@ def _chunks(p: Prefill) -> torch.Tensor:
     # Where the fused kernel serves and the model passes no mask, each part's keys go in blocks: those every
     # query of the chunk meets, unmasked, and a masked block at either side (`_blocks`); else one block a
     # part, masked, at most a span's queries (where the parts meet) and MASK_CHUNK mask entries a chunk.
-    offset = _offset(shift, method) if mask is None and key_parts.may_fuse(run, queries[0], value) else None
+    fuses = mask is None and p.positions is None and key_parts.may_fuse(run, queries[0], value)
+    offset = _offset(shift, method) if fuses else None
     span, reach = method.span, sliding_window or k_len
     if offset is None:
         rows, cell = max(1, min(span, MASK_CHUNK // (k_len + span))), 1
@@ -156,11 +172,11 @@ def _chunks(p: Prefill) -> torch.Tensor:
         at = torch.arange(first, last + 1, device=device)[:, None]
         if offset is None:
             visible = chunk_visible(mask, start, stop, k_len, at, sliding_window, device)
-            q_pos = at if shift is None else at - shift[:, None, None, None]
+            q_pos = _positions(at, shift, p.positions, first, last + 1, query_side=True)
         parts = []
         for part, q, (k, base) in zip(method.parts, queries, keys):
             if offset is None:
-                begin, end = _reached(part, first, last)
+                begin, end = _reached(part, first, last, jumps=p.positions is not None)
                 blocks = [(max(begin, first - reach + 1, base), end, True)]
             else:
                 blocks = _blocks(part, first, last, offset, base, reach)
@@ -171,7 +187,7 @@ def _chunks(p: Prefill) -> torch.Tensor:
                 if masked:
                     k_at = torch.arange(begin, end, device=device)
                     if offset is None:
-                        k_pos = k_at if shift is None else k_at - shift[:, None, None, None]
+                        k_pos = _positions(k_at, shift, p.positions, begin, end, query_side=False)
                         shown = visible[..., begin:end] & part.covers(q_pos, k_pos)
                     else:  # the model's mask is None: causal (in covers), within its sliding window
                         shown = part.covers(at - offset, k_at - offset)[None, None]
@@ -219,45 +235,69 @@ def _blocks(
     return [(inner, inner_end, False), (begin, inner, True), (inner_end, end, True)]
 
 
-def _reached(part: Part, first: int, last: int) -> tuple[int, int]:
+def _reached(part: Part, first: int, last: int, jumps: bool = False) -> tuple[int, int]:
     """The places ``[begin, end)`` of the keys that queries at places ``first .. last`` may meet in ``part``,
-    whatever the row's offset: ``⌊x/u⌋·u`` lies in ``(x − u, x]``."""
+    whatever the row's offset: ``⌊x/u⌋·u`` lies in ``(x − u, x]``. Where positions jump (``jumps``), two places
+    are at least as far apart in positions as in places, so a part's nearest key may be any up to the query."""
     unit = part.unit
     begin = 0 if part.hi is None else max(0, first - part.hi * unit + 1)
-    end = min(last + 1, last - part.lo * unit + unit) if part.lo else last + 1
+    end = min(last + 1, last - part.lo * unit + unit) if part.lo and not jumps else last + 1
     return begin, end
 
 
+def _positions(places, shift, positions, begin: int, end: int, *, query_side: bool) -> torch.Tensor:
+    """The positions of ``places`` (the queries' ``(c, 1)``, or the keys' ``(n,)``, the cache's ``begin .. end -
+    1``), shaped to meet the other side's: as they are (a method of distances), less each row's offset
+    (``shift``), or where positions jump, each place's own (``positions``)."""
+    if positions is not None:
+        rows = positions[:, begin:end]
+        return rows[:, None, :, None] if query_side else rows[:, None, None, :]
+    return places if shift is None else places - shift[:, None, None, None]
+
+
 def check_positions(
-    method: Method, position_ids: torch.Tensor | None, mask: torch.Tensor | None, past: int
-) -> None:
-    """Raise ValueError, in one line, where a call's ``position_ids`` ``(B|1, Tq)`` (the model's, for its queries,
-    the cache's last ``Tq`` keys after ``past``) do not run on by one over the queries each of them sees: a method
-    of distances counts them in the cache, and would score such a pair at another distance than the model's;
-    a method of positions takes each row's offset at its highest position, so every real query of a row must
-    share it (packed sequences are refused). Keys that ``mask`` hides do not count, nor do padding queries (they
-    do not see themselves). Checked once per ``position_ids`` and ``mask`` (a forward's layers share them),
-    with one wait on the device; not under torch.compile, nor for the keys before the call."""
+    method: Method,
+    position_ids: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    past: int,
+    kept: bool = False,
+) -> bool:
+    """Whether a call's ``position_ids`` ``(B|1, Tq)`` (the model's, for its queries, the cache's last ``Tq`` keys
+    after ``past``) jump forward within what a query sees, as PoSE's skips do, in a call with no keys before it
+    whose keys no later call reads (``kept`` False: no cache, or training): then every method places each pair at
+    the positions themselves (`prefill`). Raise ValueError, in one line, where they go back or restart within
+    what a query sees, or jump with keys before the call or kept for a later one: a method of
+    distances counts them in the cache, and would score such a pair at another distance than the model's; and
+    where, running on by one, a method of positions would take each row's offset at its highest position, so
+    every real query of a row must share it (packed sequences are refused). Keys that ``mask`` hides do not
+    count, nor do padding queries (they do not see themselves). Checked once per ``position_ids`` and ``mask`` (a
+    forward's layers share them), with one wait on the device; not under torch.compile, nor for the keys before
+    the call."""
     if (
         position_ids is None
         or position_ids.dim() != 2
         or position_ids.shape[-1] < 2
         or torch.compiler.is_compiling()
-        or _CHECKED.seen(position_ids, mask)
     ):
-        return
-    q_len = position_ids.shape[-1]
+        return False
+    seen_before = _CHECKED.verdict(position_ids, mask, (past, kept))
+    if seen_before is not None:
+        return seen_before
+    q_len, device = position_ids.shape[-1], position_ids.device
     # a position less its index: the same along what a query sees, where the positions run on by one
-    offsets = position_ids - torch.arange(q_len, device=position_ids.device)
+    offsets = position_ids - torch.arange(q_len, device=device)
+    no = torch.zeros((), dtype=torch.bool, device=device)
     if mask is None:  # causal: each query sees every query before it
-        wrong = (offsets != offsets[:, :1]).any()
+        steps = offsets.diff(dim=-1)
+        ahead, behind, elsewhere = (steps > 0).any(), (steps < 0).any(), no
     else:
-        wrong = torch.zeros((), dtype=torch.bool, device=position_ids.device)
+        ahead, behind, elsewhere = no, no, no
         rows_of = max(mask.shape[0], position_ids.shape[0]) * mask.shape[1]  # (batch, head) rows of the mask
         rows = max(1, MASK_CHUNK // (q_len * rows_of))
         own = mask[
             ..., past : past + q_len
         ]  # the call's own keys only: those before it have no positions here
+        highest = offsets.gather(-1, position_ids.argmax(-1, keepdim=True))
         for start in range(0, q_len, rows):
             stop = min(q_len, start + rows)
             seen = chunk_visible(own, start, stop, q_len, None, None, mask.device)
@@ -266,17 +306,29 @@ def check_positions(
             itself = seen[
                 ..., row, row + start, None
             ]  # a padding query does not see itself: it does not count
-            apart = offsets[:, None, start:stop, None] != offsets[:, None, None, :]
-            wrong = wrong | (seen & itself & apart).any()
-            if not method.by_distance:  # one offset for every real query of a row
-                highest = offsets.gather(-1, position_ids.argmax(-1, keepdim=True))
-                elsewhere = offsets[:, None, start:stop] != highest[:, None]
-                wrong = wrong | (itself[..., 0] & elsewhere).any()
-    if wrong.item():
+            shown = seen & itself
+            query_offsets, key_offsets = offsets[:, None, start:stop, None], offsets[:, None, None, :]
+            ahead = ahead | (shown & (query_offsets > key_offsets)).any()
+            behind = behind | (shown & (query_offsets < key_offsets)).any()
+            # one offset for every real query of a row (a method of positions, where they run on by one)
+            elsewhere = (
+                elsewhere | (itself[..., 0] & (offsets[:, None, start:stop] != highest[:, None])).any()
+            )
+    ahead, behind, elsewhere = torch.stack([ahead, behind, elsewhere]).tolist()
+    jumps = ahead and past == 0 and not kept
+    if behind or (ahead and not jumps) or (elsewhere and not jumps and not method.by_distance):
         raise ValueError(
-            f"{method.option}: position_ids jump or restart within what a query sees ({method.name} counts "
-            "positions in the cache, so it would score other positions than the model's); pass positions that "
-            "run on by one, as generate() and the model's defaults do"
+            f"{method.option}: position_ids "
+            + (
+                "jump and go back"
+                if ahead and behind
+                else "jump in a call onto or into a cache"
+                if ahead
+                else "go back or restart"  # a row's own offsets apart: packed sequences
+            )
+            + f" within what a query sees ({method.name} counts positions in the cache, so it would score other "
+            "positions than the model's); pass positions that run on by one, as generate() and the model's "
+            "defaults do, or that only jump forward with no cache or while training (PoSE's)"
             + (
                 ", or pack sequences with no attention mask and no cache (use_cache=False), which transformers "
                 "masks apart."
@@ -284,28 +336,35 @@ def check_positions(
                 else "; packed sequences are not served (each row must be one sequence)."
             )
         )
-    _CHECKED.remember(position_ids, mask)
+    _CHECKED.remember(position_ids, mask, (past, kept), jumps)
+    return jumps
 
 
 class _Checked:
-    """The last few ``position_ids`` and masks found right, held weakly, so that a forward's layers check them
-    once; replaced as one tuple, so that threads only ever check again."""
+    """The last few ``position_ids`` and masks checked, held weakly, with the call's ``past`` and ``kept`` and their
+    verdict (whether they jump), so that a forward's layers check them once; replaced as one tuple, so that threads
+    only ever check again."""
 
     KEPT = 4
 
     def __init__(self) -> None:
-        self._pairs: tuple[tuple[weakref.ref, weakref.ref | None], ...] = ()
+        self._entries: tuple[tuple[weakref.ref, weakref.ref | None, tuple, bool], ...] = ()
 
-    def seen(self, position_ids: torch.Tensor, mask: torch.Tensor | None) -> bool:
-        return any(
-            positions() is position_ids
-            and (masked is None if mask is None else masked is not None and masked() is mask)
-            for positions, masked in self._pairs
-        )
+    def verdict(self, position_ids: torch.Tensor, mask: torch.Tensor | None, call: tuple) -> bool | None:
+        for positions, masked, of_call, jumps in self._entries:
+            if (
+                positions() is position_ids
+                and (masked is None if mask is None else masked is not None and masked() is mask)
+                and of_call == call
+            ):
+                return jumps
+        return None
 
-    def remember(self, position_ids: torch.Tensor, mask: torch.Tensor | None) -> None:
-        pair = (weakref.ref(position_ids), None if mask is None else weakref.ref(mask))
-        self._pairs = (pair, *self._pairs[: self.KEPT - 1])
+    def remember(
+        self, position_ids: torch.Tensor, mask: torch.Tensor | None, call: tuple, jumps: bool
+    ) -> None:
+        entry = (weakref.ref(position_ids), None if mask is None else weakref.ref(mask), call, jumps)
+        self._entries = (entry, *self._entries[: self.KEPT - 1])
 
 
 _CHECKED = _Checked()

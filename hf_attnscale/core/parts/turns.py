@@ -30,6 +30,8 @@ class PartsRotation:
         own: the model's own cos/sin for the call's new tokens.
         positions: the model's ``position_ids`` of the call's new tokens, where its layer passes them.
         layer: the attention module's ``layer_idx`` (None: its layer makes what the others could share).
+        kept: the call's keys go into a cache that a later call may read (a cache, out of training): positions
+            that jump are then refused, as a later call could not see them (`prefill.check_positions`).
     """
 
     method: Method
@@ -38,6 +40,7 @@ class PartsRotation:
     own: CosSin
     positions: torch.Tensor | None = None
     layer: int | None = None
+    kept: bool = False
 
 
 class _SharedByLayers:
@@ -107,9 +110,13 @@ class Turned:
     """A call's queries and keys rotated at each `At` its parts name, each once; the cos/sin of each turn made by
     the forward's first layer and read by the others (`shared_by_layers`: they depend on the places alone)."""
 
-    def __init__(self, call: PartsRotation, query, key, past: int, shift, position_ids) -> None:
+    def __init__(
+        self, call: PartsRotation, query, key, past: int, shift, position_ids, positions=None
+    ) -> None:
         self.call, self.query, self.key, self.past, self.shift = call, query, key, past, shift
-        self.position_ids = None if shift is None else position_ids  # what the places depend on
+        self.positions = positions  # every key's own position, where they jump (PoSE's): (B|1, Tk)
+        # what the places depend on
+        self.position_ids = None if shift is None and positions is None else position_ids
         self.done: dict = {}
 
     def queries(self, at: At) -> torch.Tensor:
@@ -169,6 +176,8 @@ class Turned:
 
             def made() -> CosSin:
                 places = torch.arange(begin, end, device=query.device)[None]
+                if self.positions is not None:
+                    return make(self.positions[:, begin:end])
                 return make(places if self.shift is None else places - self.shift[:, None])
 
             tensors = (self.position_ids, call.frequencies.inv_freq)
