@@ -159,9 +159,16 @@ def gemma(monkeypatch):
 def test_section_14_runs_in_the_issues_order_and_picks_the_best_for_the_longer_cells(gemma, tmp_path):
     order = gemma.cells({})
     names = gemma.METHOD_NAMES
-    assert order[: 2 * len(names)] == [(m, 32768, d, 0) for m in names for d in gemma.DEPTHS[:2]]
-    assert order[2 * len(names) : 3 * len(names)] == [(m, 32768, 1.0, 0) for m in names]
-    assert {(n, s) for _, n, _, s in order[3 * len(names) : 9 * len(names)]} == {(32768, 1), (32768, 2)}
+    first = [(m, 32768, d, 0) for m in names for d in gemma.DEPTHS[:2] if (m, d) != ("dynamic NTK", 0.5)]
+    assert order[: len(first)] == first  # dynamic NTK inside 32k: one cell, as it scales nothing there
+    assert order[len(first) : len(first) + len(names) - 1] == [
+        (m, 32768, 1.0, 0) for m in names if m != "dynamic NTK"
+    ]
+    assert not any(m == "dynamic NTK" and n <= 32768 and d > 0 for m, n, d, _ in order)
+    later = [(n, s) for _, n, d, s in order[len(first) + len(names) - 1 :] if d >= 0]
+    assert later[: later.index((16384, 0))] == [
+        (32768, s) for s in (1, 2) for _ in range(3 * (len(names) - 1))
+    ]
     document = order.index((names[0], gemma.DOCUMENT_TOKENS, -1.0, 0))
     assert {n for _, n, _, _ in order[:document]} == {32768, 16384}
     assert {n for _, n, _, _ in order[document + len(names) :]} == {65536, 131072}
