@@ -408,8 +408,10 @@ def _sees_only_the_near_part(module, patch_kwargs) -> bool:
     """Whether STRING leaves the layer as the model has it, its factor too: its own sliding window holds no pair S
     or more apart (the package's rule for any method, `Method.exact_below`; the others' near parts are the model's
     own scores already)."""
-    own = getattr(module, "sliding_window", getattr(module.config, "sliding_window", None))
-    return bool(own) and bool(patch_kwargs.get("string_shift")) and own <= patch_kwargs["string_shift"]
+    if not patch_kwargs.get("string_shift"):
+        return False
+    own = getattr(module, "sliding_window", getattr(getattr(module, "config", None), "sliding_window", None))
+    return bool(own) and own <= patch_kwargs["string_shift"]
 
 
 def _raw_rope(model, refs, layers) -> None:
