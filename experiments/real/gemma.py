@@ -256,7 +256,7 @@ def plot(results: dict[Cell, dict], path: Path) -> None:
             if run:
                 points.append((length / 1024, sum(r["acc,none"] for r in run) / len(run)))
         if points:
-            nudge = 2 ** (0.03 * (index - len(METHOD_NAMES) / 2))  # methods with as many keys stay apart
+            nudge = 2 ** (0.02 * (index - len(METHOD_NAMES) / 2))  # methods with as many keys stay apart
             left.plot([x * nudge for x, _ in points], [y for _, y in points], marker="o", label=name, **style)
         document = results.get((name, DOCUMENT_TOKENS, -1.0, 0))
         if document:
@@ -265,13 +265,17 @@ def plot(results: dict[Cell, dict], path: Path) -> None:
         ax.axvline(TRAINED / 1024, color="black", lw=1, ls=":")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("haystack / position (k tokens; dotted: trained 32k)")
+    left.set_xlim(12, 180)  # every haystack length, whichever have run
+    left.set_xticks([n / 1024 for n in PASSKEYS], labels=[f"{n // 1024}k" for n in PASSKEYS])
     left.set_ylim(-0.05, 1.05)
-    left.set_ylabel("share of passkeys found (prompts run)")
+    left.set_ylabel("share of the prompts run found")
     right.set_yscale("log")
     right.set_ylabel("perplexity (KJV, by position)")
     if not any(d < 0 for (_, _, d, _) in results):
         right.text(0.5, 0.5, "128k read not run yet", transform=right.transAxes, ha="center", fontsize=8)
     handles, labels = left.get_legend_handles_labels()
-    left.legend(handles, labels, fontsize=6, loc="lower left", title="not run: not drawn", title_fontsize=6)
+    right.legend(
+        handles, labels, fontsize=6, loc="upper right", title="cells not run are not drawn", title_fontsize=6
+    )
     fig.suptitle(f"{SHORT_NAME[MODEL]}: position methods inside and past its trained 32k", fontsize=10)
     save(fig, path)
