@@ -190,20 +190,28 @@ Scores = tuple[torch.Tensor, torch.Tensor]
 
 def _chunked(model: nn.Module, ids: torch.Tensor, cache, chunk_size: int, first: int, bar) -> Scores:
     """Feed ``ids[:-1]`` in chunks through ``cache``; the last token is only a target. Only the predictions of
-    tokens ``first + 1`` onwards are scored: a chunk before them keeps one row of logits."""
+    tokens ``first + 1`` onwards are scored."""
     total = ids.shape[1] - 1
     nll = torch.empty(total - first, dtype=torch.float32, device=ids.device)
     greedy = torch.empty(total - first, dtype=torch.bool, device=ids.device)
-    with_cache = {cache_argument(model): cache}
-    for start in range(0, total, chunk_size):
-        stop = min(start + chunk_size, total)
-        scored = max(start, first)  # the chunk's first scored row
-        logits = logit_rows(model, ids[:, start:stop], stop - scored, use_cache=True, **with_cache)[0]
-        if scored < stop:
+    for start, stop, logits in _chunk_logits(model, ids[:, :-1], cache, chunk_size, first):
+        if logits is not None:
+            scored = max(start, first)
             rows = slice(scored - first, stop - first)
-            nll[rows], greedy[rows] = _token_scores(logits[scored - stop :], ids[0, scored + 1 : stop + 1])
+            nll[rows], greedy[rows] = _token_scores(logits[0], ids[0, scored + 1 : stop + 1])
         bar.update(stop - start)
     return nll, greedy
+
+
+def _chunk_logits(model: nn.Module, ids: torch.Tensor, cache, chunk_size: int, first: int):
+    """Feed ``ids`` ``(B, T)`` in chunks of ``chunk_size`` through ``cache``: each chunk's ``(start, stop, logits)``,
+    the logits of its positions from ``first`` on, None where it has none (such a chunk computes one row)."""
+    with_cache = {cache_argument(model): cache}
+    for start in range(0, ids.shape[1], chunk_size):
+        stop = min(start + chunk_size, ids.shape[1])
+        scored = max(start, first)  # the chunk's first kept row
+        logits = logit_rows(model, ids[:, start:stop], stop - scored, use_cache=True, **with_cache)
+        yield start, stop, logits[:, scored - stop :] if scored < stop else None
 
 
 def logit_rows(model: nn.Module, input_ids: torch.Tensor, rows: int, **kwargs) -> torch.Tensor:
@@ -224,16 +232,14 @@ def chunked_logit_rows(model: nn.Module, input_ids: torch.Tensor, rows: int, chu
     scores at a time, not the whole call's (Gemma-3's local layers then score a chunk against their window alone,
     not against a T × T mask). Rows stay apart: right padding after a row's tokens changes none of its logits."""
     total = input_ids.shape[1]
-    rows = min(max(rows, 1), total)
-    with_cache = {cache_argument(model): DynamicCache(config=model.config)}
-    kept = []
+    first = total - min(max(rows, 1), total)
+    cache = DynamicCache(config=model.config)
     with frequencies_of_length(model, total):
-        for start in range(0, total, chunk_size):
-            stop = min(start + chunk_size, total)
-            keep = stop - max(start, total - rows)  # the chunk's rows among the last ``rows`` (<= 0: none)
-            logits = logit_rows(model, input_ids[:, start:stop], max(keep, 1), use_cache=True, **with_cache)
-            if keep > 0:
-                kept.append(logits[:, -keep:])
+        kept = [
+            logits
+            for _, _, logits in _chunk_logits(model, input_ids, cache, chunk_size, first)
+            if logits is not None
+        ]
     return torch.cat(kept, dim=1) if len(kept) > 1 else kept[0]
 
 
