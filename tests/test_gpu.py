@@ -250,9 +250,10 @@ def test_exit_through_sdpa_on_the_device(device, dtype, head_dim, shape):
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 2, True
     mask = visible.to(device) if padded else None
-    got = exit.sdpa_exit_attention(
-        sdpa_attention_forward, module, *inputs, mask, sinks, True, scaling=head_dim**-0.5
-    ).transpose(1, 2)
+    call = exit.ExitCall(
+        sdpa_attention_forward, module, *inputs, mask, sinks, True, {"scaling": head_dim**-0.5}
+    )
+    got = exit.sdpa_exit_attention(call).transpose(1, 2)
     leaves = [t.detach().float().cpu().requires_grad_() for t in (*inputs, sinks)]
     want = reference_attention(*leaves[:3], visible, head_dim**-0.5, sink=leaves[3])
     grad = torch.randn(want.shape, generator=generator)
@@ -392,7 +393,7 @@ def test_rerope_matches_reference_on_the_device(device, attn, option, flex_bands
 @pytest.mark.parametrize("method", ["rerope", "self_extend", "dca"])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("exit_logits", [False, True])
-@pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_flex_bands_pass_their_check_on_the_device(device, dtype, exit_logits, masked, method):
     """The check that guards CUDA's flex key bands, compiled, against the plain formula in float64 (forward and
     backward; forward alone without gradients, on 400 queries and on 64), at SmolLM2's heads (9 query, 3

@@ -45,7 +45,7 @@ def visible_keys(batch, q_len, k_len, causal, padded):
 def exit_through_sdpa(q, k, v, mask, sinks, causal, scaling):
     module = Attention(q.shape[1] // k.shape[1], causal)
     out = exit.sdpa_exit_attention(
-        sdpa_attention_forward, module, q, k, v, mask, sinks, causal, scaling=scaling
+        exit.ExitCall(sdpa_attention_forward, module, q, k, v, mask, sinks, causal, {"scaling": scaling})
     )
     return out.transpose(1, 2)
 
@@ -138,7 +138,7 @@ def test_half_precision_keeps_the_exit_logit(dtype, head_dim):
     sinks = torch.tensor([5.0, -3.3, 0.7, 12.345])
     q, k, v = torch.randn(1, 4, 5, head_dim, dtype=dtype), *torch.randn(2, 1, 2, 5, head_dim, dtype=dtype)
     exit.sdpa_exit_attention(
-        recording, Attention(2, True), q, k, v, None, sinks, True, scaling=head_dim**-0.5
+        exit.ExitCall(recording, Attention(2, True), q, k, v, None, sinks, True, {"scaling": head_dim**-0.5})
     )
     assert seen["q"].shape[-1] == head_dim + 2  # on the CPU; a multiple of 8 on accelerators
     logit = (seen["q"][0, :, 1:, head_dim:].float() * seen["k"][0, 0, 0, head_dim:].float()).sum(-1)

@@ -18,6 +18,7 @@ from reference import reference_attention
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hf_attnscale.core.call import cpu_flash, exit, fused_exit
+from hf_attnscale.core.call.exit import ExitCall
 
 
 @pytest.fixture
@@ -40,7 +41,7 @@ def call(q, k, v, mask, sinks, causal, scaling=0.3):
     """The exit as `core.attention` calls it under sdpa, ``(B, H, Tq, D)``."""
     module = Attention(q.shape[1] // k.shape[1], causal)
     out = fused_exit.exit_attention(
-        sdpa_attention_forward, module, q, k, v, mask, sinks, causal, scaling=scaling
+        ExitCall(sdpa_attention_forward, module, q, k, v, mask, sinks, causal, {"scaling": scaling})
     )
     return out.transpose(1, 2)
 
@@ -65,7 +66,8 @@ def test_fused_exit_matches_reference(causal, q_len, k_len, mask_kind, head_dim)
     mine = [t.clone().requires_grad_() for t in (q, k, v, SINKS)]
     leaves = [t.clone().requires_grad_() for t in (q, k, v, SINKS)]
     module = Attention(2, causal)
-    got = fused_exit.fused_exit_attention(module, *mine[:3], mask, mine[3], causal, 0.3).transpose(1, 2)
+    fused = ExitCall(None, module, *mine[:3], mask, mine[3], causal, {"scaling": 0.3})
+    got = fused_exit.fused_exit_attention(fused).transpose(1, 2)
     want = reference_attention(
         *leaves[:3],
         visible,
@@ -87,7 +89,9 @@ def test_a_query_that_sees_no_key_gives_zeros_and_no_nan():
     mask = torch.ones(1, 1, 3, 3, dtype=torch.bool).tril()
     mask[:, :, 0] = False
     sinks = SINKS.clone().requires_grad_()
-    out = fused_exit.fused_exit_attention(Attention(1, True), q, k, v, mask, sinks, True, 0.3)
+    out = fused_exit.fused_exit_attention(
+        ExitCall(None, Attention(1, True), q, k, v, mask, sinks, True, {"scaling": 0.3})
+    )
     assert torch.equal(out[:, 0], torch.zeros_like(out[:, 0]))
     out.sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v, sinks))
@@ -193,12 +197,13 @@ def test_switched_off_or_not_served_never_reaches_the_kernel(fused, monkeypatch)
     q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 4, 6, 8), torch.randn(1, 4, 6, 8)
     bias = torch.zeros(1, 4, 6, 6, requires_grad=True)
     module = Attention(1, True)
-    fused_exit.exit_attention(sdpa_attention_forward, module, q, k, v, bias, SINKS, True)
+    plain = ExitCall(sdpa_attention_forward, module, q, k, v, None, SINKS, True, {})
+    fused_exit.exit_attention(plain._replace(mask=bias))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        fused_exit.exit_attention(sdpa_attention_forward, module, q, k, v, None, SINKS, True)
-    fused_exit.exit_attention(sdpa_attention_forward, module, q, k, v, None, SINKS, True, dropout=0.1)
+        fused_exit.exit_attention(plain)
+    fused_exit.exit_attention(plain._replace(kwargs={"dropout": 0.1}))
     monkeypatch.setenv(fused_exit.ENV_SWITCH, "0")
-    fused_exit.exit_attention(sdpa_attention_forward, module, q, k, v, None, SINKS, True)
+    fused_exit.exit_attention(plain)
     assert fused["forward"] == 0 and not fused_exit.CHECK.verdicts
 
 
@@ -226,5 +231,5 @@ def test_the_public_formulation_is_what_accelerators_get():
     """Not the CPU: the fused path never serves (its combination is None)."""
     q = torch.empty(1, 4, 6, 8, device="meta")
     module = Attention(1, True)
-    assert fused_exit._combination(module, q, q, q, None, True, {}) is None
+    assert fused_exit._combination(ExitCall(None, module, q, q, q, None, SINKS, True, {})) is None
     assert exit.width_multiple(torch.device("cuda")) == 8

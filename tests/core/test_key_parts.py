@@ -73,7 +73,7 @@ def backend(sinks):
         if sinks is None:
             return sdpa_attention_forward(module, q, k, v, mask, scaling=SCALING, is_causal=False)
         out = exit.sdpa_exit_attention(
-            sdpa_attention_forward, module, q, k, v, mask, sinks, False, scaling=SCALING
+            exit.ExitCall(sdpa_attention_forward, module, q, k, v, mask, sinks, False, {"scaling": SCALING})
         )
         return out, None
 

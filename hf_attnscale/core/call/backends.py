@@ -19,7 +19,13 @@ from transformers.integrations import sdpa_attention
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from hf_attnscale.core import compat
-from hf_attnscale.core.call.exit import AttentionFn, ExitFn, combined_exit_logits, extra_key_attention
+from hf_attnscale.core.call.exit import (
+    AttentionFn,
+    ExitCall,
+    ExitFn,
+    combined_exit_logits,
+    extra_key_attention,
+)
 from hf_attnscale.core.call.fused_exit import exit_attention
 
 EAGER_SUFFIX = "eager_attention_forward"
@@ -67,26 +73,31 @@ class Backend:
             )
 
 
-def native_exit(backend_fn, module, query, key, value, mask, exit_logits, causal, **kwargs):
+def native_exit(call: ExitCall) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The exit as the backend's own row of sink logits (``s_aux``). A family with sinks of its own passes its
     row already: two exits whose values are zero are one exit, of logit ``logaddexp(s1, s2)``."""
-    sinks = combined_exit_logits(exit_logits, kwargs.pop("s_aux", None))
-    return backend_fn(module, query, key, value, mask, s_aux=sinks, **kwargs)
+    kwargs = dict(call.kwargs)
+    sinks = combined_exit_logits(call.exit_logits, kwargs.pop("s_aux", None))
+    return call.backend_fn(call.module, call.query, call.key, call.value, call.mask, s_aux=sinks, **kwargs)
 
 
 def _bias_folded(exit_fn: ExitFn) -> ExitFn:
     """``exit_fn`` with a relative position bias (Inkling's ``position_bias``) folded into its mask first."""
 
-    def with_bias_folded(backend_fn, module, query, key, value, mask, exit_logits, causal, **kwargs):
-        if kwargs.get("position_bias") is not None:
-            mask = create_position_bias_mask(kwargs.pop("position_bias"), mask, causal, query, key)
-        return exit_fn(backend_fn, module, query, key, value, mask, exit_logits, causal, **kwargs)
+    def with_bias_folded(call: ExitCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if call.kwargs.get("position_bias") is None:
+            return exit_fn(call)
+        kwargs = dict(call.kwargs)
+        mask = create_position_bias_mask(
+            kwargs.pop("position_bias"), call.mask, call.causal, call.query, call.key
+        )
+        return exit_fn(call._replace(mask=mask, kwargs=kwargs))
 
     return with_bias_folded
 
 
-def _sdpa_exit(backend_fn, module, query, key, value, mask, exit_logits, causal, **kwargs):
-    return exit_attention(backend_fn, module, query, key, value, mask, exit_logits, causal, **kwargs), None
+def _sdpa_exit(call: ExitCall) -> tuple[torch.Tensor, None]:
+    return exit_attention(call), None
 
 
 BACKENDS: dict[str, Backend] = {

@@ -33,6 +33,7 @@ checkpoints hold; flash and flex take it as ``s_aux``, transformers' name for a 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -42,9 +43,33 @@ from hf_attnscale.core.call.masks import additive_mask
 
 AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 """A transformers attention function: ``(module, q, k, v, mask, **kwargs) -> (output, weights or None)``."""
-ExitFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
-"""One way to run the exit: ``(backend_fn, module, q, k, v, mask, exit_logits, causal, **kwargs)``, returning
-what a backend returns, the output ``(B, Tq, H, Dv)`` and the weights over the real keys (or None)."""
+
+
+class ExitCall(NamedTuple):
+    """One attention call with the exit, as every formulation of it takes it.
+
+    q ``(B, H, Tq, D)``, k ``(B, Hkv, Tk, D)``, v ``(B, Hkv, Tk, Dv)``; ``mask`` None or 4D (bool or additive);
+    ``exit_logits`` ``(H,)``; ``causal``: the call's own causality, used as the backend uses it (only without a
+    mask); ``kwargs``: the backend's other keyword arguments (``scaling``, ``dropout``...)."""
+
+    backend_fn: AttentionFn
+    module: nn.Module
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    mask: torch.Tensor | None
+    exit_logits: torch.Tensor
+    causal: bool
+    kwargs: dict[str, Any]
+
+    @property
+    def scaling(self) -> float | None:
+        return self.kwargs.get("scaling")
+
+
+ExitFn = Callable[[ExitCall], tuple[torch.Tensor, torch.Tensor | None]]
+"""One way to run the exit: an `ExitCall` in, what a backend returns out: the output ``(B, Tq, H, Dv)`` and the
+weights over the real keys (or None)."""
 
 EXIT_CHANNELS = 2  # the logit in two parts: hi = round(s / scale), lo = the rest
 MASK_CHUNK = 2**25
@@ -63,30 +88,19 @@ def combined_exit_logits(exit_logits: torch.Tensor, own_sinks: torch.Tensor | No
     return torch.logaddexp(exit_logits.float(), own_sinks.float().to(exit_logits.device))
 
 
-def sdpa_exit_attention(
-    backend_fn: AttentionFn,
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None,
-    exit_logits: torch.Tensor,
-    causal: bool,
-    **kwargs,
-) -> torch.Tensor:
-    """``backend_fn`` (transformers' sdpa wrapper) with the exit on extra channels; ``(B, Tq, H, Dv)``.
-
-    q ``(B, H, Tq, D)``, k ``(B, Hkv, Tk, D)``, v ``(B, Hkv, Tk, Dv)``; ``mask`` None or 4D (bool or additive);
-    ``causal``: the call's own causality, used as sdpa uses it (only without a mask).
-    """
+def sdpa_exit_attention(call: ExitCall) -> torch.Tensor:
+    """``call.backend_fn`` (transformers' sdpa wrapper) with the exit on extra channels; ``(B, Tq, H, Dv)``."""
+    backend_fn, module, query, key, value, mask, exit_logits, causal, kwargs = call
+    kwargs = {name: given for name, given in kwargs.items() if name != "scaling"}
     if torch.is_autocast_enabled(query.device.type):  # build the channels in the dtype the kernel will see
         dtype = torch.get_autocast_dtype(query.device.type)
         query, key, value = (t.to(dtype) for t in (query, key, value))
     dim, dim_v, q_len = query.shape[-1], value.shape[-1], query.shape[2]
     multiple = width_multiple(query.device)
     width = -(-max(dim + EXIT_CHANNELS, dim_v) // multiple) * multiple
-    scaling = kwargs.pop("scaling", None)
-    scaling = dim**-0.5 if scaling is None else scaling  # sdpa's default would read the padded width
+    scaling = (
+        dim**-0.5 if call.scaling is None else call.scaling
+    )  # sdpa's default would read the padded width
     dummy = int(causal and mask is None and q_len > 1)
 
     logit = exit_logits.float().view(1, -1, 1) / scaling  # (1, H, 1)
@@ -113,23 +127,14 @@ def sdpa_exit_attention(
     return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0].contiguous()
 
 
-def extra_key_attention(
-    backend_fn: AttentionFn,
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None,
-    exit_logits: torch.Tensor,
-    causal: bool,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``backend_fn`` (a family's eager attention) over a zero key and value first, whose logit ``s`` comes from
-    a mask column; returns the backend's output and its weights over the real keys.
+def extra_key_attention(call: ExitCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``call.backend_fn`` (a family's eager attention) over a zero key and value first, whose logit ``s`` comes
+    from a mask column; returns the backend's output and its weights over the real keys.
 
     The mask is materialised (eager materialises the scores anyway): one column shared by the heads when every
     head has the same constant logit, a column per head otherwise.
     """
+    backend_fn, module, query, key, value, mask, exit_logits, causal, kwargs = call
     num_heads, q_len = query.shape[1:3]
     k_len = key.shape[2]
     dtype = query.dtype

@@ -3,9 +3,9 @@
 parts (`hf_attnscale.core.parts.flex_parts`).
 
 Each combination of shapes and options a path would serve runs once, at its first use, forward and backward on a
-sharp input against a reference (the exit: its public formulation; key parts and bands: the plain formula in
-float64). A mismatch or an error gives one warning, and that combination takes the public formulation for the
-rest of the process.
+sharp input (`sampler`) against a reference (`against`; the exit: its public formulation; key parts and bands:
+the plain formula in float64). A mismatch or an error gives one warning, and that combination takes the public
+formulation for the rest of the process. Each path says only what its sample holds and what its reference is.
 """
 
 from __future__ import annotations
@@ -58,6 +58,50 @@ class FirstUseCheck:
                             stacklevel=3,
                         )
         return verdict
+
+
+class Sampler:
+    """The checks' input: ``sample(*shape, spread=1.0)`` draws a leaf taking gradients, normal times ``spread``,
+    in ``dtype`` on ``device``, from one generator seeded 0 (``generator``: masks draw from it too), so a check
+    is the same at every run. Queries and keys take ``spread=sharp(head_dim)``, so that the softmax is far from
+    uniform and a wrong score shows."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        self.dtype, self.device = dtype, device
+        self.generator = torch.Generator().manual_seed(0)
+
+    def __call__(self, *shape: int, spread: float = 1.0) -> torch.Tensor:
+        drawn = torch.randn(*shape, generator=self.generator) * spread
+        return drawn.to(self.device, self.dtype).requires_grad_()
+
+
+def sharp(head_dim: int) -> float:
+    """The spread of a check's queries and keys: scores of about 3 standard deviations at ``head_dim``."""
+    return 3 / head_dim**0.25
+
+
+def against(
+    run: Callable[[], torch.Tensor | None],
+    reference: Callable[[], torch.Tensor],
+    leaves: tuple[torch.Tensor, ...],
+    names: tuple[str, ...],
+    tolerance: float,
+) -> str | None:
+    """Every fast path's check: ``run()`` against ``reference()``, forward and backward through ``leaves`` with
+    one seeded cotangent; None if each output and gradient is within ``tolerance`` of its size, else why not
+    (``run()`` returning None: torch.compile gave up; any error of the kernel or the compiler included)."""
+
+    def compared() -> str | None:
+        got = run()
+        if got is None:
+            return "torch.compile's recompile limit was reached"
+        want = reference()
+        cotangent = torch.randn(got.shape, generator=torch.Generator().manual_seed(1))
+        got_grads = torch.autograd.grad(got, leaves, cotangent.to(got))
+        want_grads = torch.autograd.grad(want, leaves, cotangent.to(want))
+        return compare((got, *got_grads), (want, *want_grads), names[: 1 + len(leaves)], tolerance)
+
+    return reason(compared)
 
 
 def compare(

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import math
 from types import SimpleNamespace
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
-from torch import nn
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from hf_attnscale.core.call import cpu_flash, first_use
-from hf_attnscale.core.call.exit import AttentionFn, sdpa_exit_attention
+from hf_attnscale.core.call.exit import ExitCall, sdpa_exit_attention
 from hf_attnscale.core.call.masks import additive_mask, softmax_scale
 
 ENV_SWITCH = "HF_ATTNSCALE_FUSED_EXIT"
@@ -68,7 +67,7 @@ class _FlashExit(torch.autograd.Function):
 class MaskKind(NamedTuple):
     """What of a 4D mask the check must reproduce: its dtype and which of its dims are not broadcast."""
 
-    dtype: str
+    dtype: torch.dtype
     per_batch: bool
     per_head: bool
     per_query: bool
@@ -77,7 +76,7 @@ class MaskKind(NamedTuple):
 class Combination(NamedTuple):
     """What the first-use check of the fused path covers: one verdict per combination."""
 
-    dtype: str
+    dtype: torch.dtype
     head_dim: int
     heads: int
     kv_heads: int
@@ -90,38 +89,18 @@ class Combination(NamedTuple):
 CHECK = first_use.FirstUseCheck("fused CPU exit", ENV_SWITCH)
 
 
-def exit_attention(
-    backend_fn: AttentionFn,
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None,
-    exit_logits: torch.Tensor,
-    causal: bool,
-    **kwargs,
-) -> torch.Tensor:
+def exit_attention(call: ExitCall) -> torch.Tensor:
     """The exit under sdpa: the fused CPU kernel where it serves and has passed its check, else the public
-    formulation (`sdpa_exit_attention`); arguments and result as there."""
-    combination = _combination(module, query, key, value, mask, causal, kwargs)
-    if combination is None or not CHECK.passes(
-        combination, lambda: _check(combination, backend_fn, module, kwargs.get("scaling"))
-    ):
-        return sdpa_exit_attention(backend_fn, module, query, key, value, mask, exit_logits, causal, **kwargs)
-    return fused_exit_attention(module, query, key, value, mask, exit_logits, causal, kwargs.get("scaling"))
+    formulation (`sdpa_exit_attention`); the result as there."""
+    combination = _combination(call)
+    if combination is None or not CHECK.passes(combination, lambda: _check(combination, call)):
+        return sdpa_exit_attention(call)
+    return fused_exit_attention(call)
 
 
-def fused_exit_attention(
-    module: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None,
-    exit_logits: torch.Tensor,
-    causal: bool,
-    scaling: float | None = None,
-) -> torch.Tensor:
+def fused_exit_attention(call: ExitCall) -> torch.Tensor:
     """The exit through the CPU kernel, unchecked; ``(B, Tq, H, D)`` like `sdpa_exit_attention`."""
+    query, key, value, mask = call.query, call.key, call.value, call.mask
     groups = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     if mask is not None:
@@ -129,18 +108,19 @@ def fused_exit_attention(
         if mask.dtype == torch.bool:  # the finite minimum, so a row with no visible key gets w = 0, never NaN
             mask = additive_mask(mask, query.dtype)
         mask = mask.to(query.dtype)
-    is_causal = bool(causal and mask is None and query.shape[2] > 1)
-    scaling = softmax_scale(query, scaling)
-    out = _FlashExit.apply(query, key, value, exit_logits, mask, is_causal, scaling)
+    is_causal = bool(call.causal and mask is None and query.shape[2] > 1)
+    scaling = softmax_scale(query, call.scaling)
+    out = _FlashExit.apply(query, key, value, call.exit_logits, mask, is_causal, scaling)
     return out.transpose(1, 2).contiguous()
 
 
-def _combination(module, query, key, value, mask, causal, kwargs) -> Combination | None:
+def _combination(call: ExitCall) -> Combination | None:
     """What the check must cover for this call, or None where the fused path does not serve it."""
+    query, key, value, mask = call.query, call.key, call.value, call.mask
     if (
         not first_use.may_serve(query, ENV_SWITCH, ("cpu",))
-        or kwargs.get("dropout", 0.0)
-        or kwargs.get("softcap") is not None
+        or call.kwargs.get("dropout", 0.0)
+        or call.kwargs.get("softcap") is not None
         or query.shape[-1] != value.shape[-1]
         or query.dtype != key.dtype
         or (mask is not None and (mask.requires_grad or mask.dim() != 4))
@@ -149,61 +129,50 @@ def _combination(module, query, key, value, mask, causal, kwargs) -> Combination
     mask_kind = (
         None
         if mask is None
-        else MaskKind(str(mask.dtype), mask.shape[0] > 1, mask.shape[1] > 1, mask.shape[2] > 1)
+        else MaskKind(mask.dtype, mask.shape[0] > 1, mask.shape[1] > 1, mask.shape[2] > 1)
     )
     q_len, k_len = query.shape[2], key.shape[2]
     queries = "one" if q_len == 1 else ("square" if q_len == k_len else "more keys")
     return Combination(
-        dtype=str(query.dtype),
+        dtype=query.dtype,
         head_dim=query.shape[-1],
         heads=query.shape[1],
         kv_heads=key.shape[1],
         mask=mask_kind,
-        causal=bool(causal),
+        causal=bool(call.causal),
         queries=queries,
         batched=query.shape[0] > 1,
     )
 
 
-def _check(combination: Combination, backend_fn, module, scaling) -> str | None:
-    """Run ``combination`` fused and public on a small sharp input, forward and backward; None if they agree."""
-    dtype_name, dim, heads, kv_heads, mask_kind, causal, queries, batched = combination  # a Combination
-    dtype = getattr(torch, dtype_name.removeprefix("torch."))
-    generator = torch.Generator().manual_seed(0)
+def _check(combination: Combination, call: ExitCall) -> str | None:
+    """Run ``combination`` fused and public (``call``'s backend and scaling) on a small sharp input, forward
+    and backward; None if they agree."""
+    dtype, dim, heads, kv_heads, mask_kind, causal, queries, batched = combination  # a Combination
+    sample = first_use.Sampler(dtype)
     batch = 2 if batched else 1
     q_len, k_len = {"one": (1, 7), "square": (6, 6), "more keys": (5, 8)}[queries]
-
-    def sample(*shape, spread=1.0):
-        return (torch.randn(*shape, generator=generator) * spread).to(dtype).requires_grad_()
-
-    query = sample(batch, heads, q_len, dim, spread=3 / math.sqrt(math.sqrt(dim)))
-    key = sample(batch, kv_heads, k_len, dim, spread=3 / math.sqrt(math.sqrt(dim)))
+    query = sample(batch, heads, q_len, dim, spread=first_use.sharp(dim))
+    key = sample(batch, kv_heads, k_len, dim, spread=first_use.sharp(dim))
     value = sample(batch, kv_heads, k_len, dim)
     exit_logits = (torch.linspace(-1.0, 3.0, heads) + math.log(k_len)).requires_grad_()
     mask = None
     if mask_kind is not None:
         mask_dtype, per_batch, per_head, per_query = mask_kind
         shape = (batch if per_batch else 1, heads if per_head else 1, q_len if per_query else 1, k_len)
-        visible = torch.rand(shape, generator=generator) < 0.7
+        visible = torch.rand(shape, generator=sample.generator) < 0.7
         visible[..., 0] = True
         if per_query and q_len > 1:
             visible[..., -1, :] = False  # a row that sees nothing but the exit
-        mask_type = getattr(torch, mask_dtype.removeprefix("torch."))
-        mask = visible if mask_type == torch.bool else additive_mask(visible, mask_type)
+        mask = visible if mask_dtype == torch.bool else additive_mask(visible, mask_dtype)
     stand_in = SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=causal, training=False)
-    inputs = (query, key, value, exit_logits)
-
-    def compared() -> str | None:
-        fused = fused_exit_attention(stand_in, query, key, value, mask, exit_logits, causal, scaling)
-        public = sdpa_exit_attention(
-            backend_fn, stand_in, query, key, value, mask, exit_logits, causal, scaling=scaling
-        )
-        cotangent = torch.randn(public.shape, generator=generator).to(dtype)
-        fused_grads = torch.autograd.grad(fused, inputs, cotangent)
-        public_grads = torch.autograd.grad(public, inputs, cotangent)
-        names = ("output", "dq", "dk", "dv", "dexit")
-        return first_use.compare(
-            (fused, *fused_grads), (public, *public_grads), names, first_use.tolerance(dtype)
-        )
-
-    return first_use.reason(compared)
+    kwargs = {"scaling": call.scaling}
+    sampled = ExitCall(call.backend_fn, stand_in, query, key, value, mask, exit_logits, causal, kwargs)
+    names = ("output", "dq", "dk", "dv", "dexit")
+    return first_use.against(
+        lambda: fused_exit_attention(sampled),
+        lambda: sdpa_exit_attention(sampled),
+        (query, key, value, exit_logits),
+        names,
+        first_use.tolerance(dtype),
+    )

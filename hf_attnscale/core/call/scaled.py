@@ -23,7 +23,7 @@ from torch import nn
 
 from hf_attnscale.core.call.backends import Backend
 from hf_attnscale.core.call.clipped import clipped_softmax_attention
-from hf_attnscale.core.call.exit import AttentionFn
+from hf_attnscale.core.call.exit import AttentionFn, ExitCall
 from hf_attnscale.core.call.gate import apply_gate
 from hf_attnscale.core.call.hooks import CallHooks, Execution
 from hf_attnscale.core.call.masks import visible_key_counts
@@ -99,7 +99,7 @@ def scaled_attention(
         if exit_logits is None:
             return backend_fn(module, query, key, value, attention_mask, **kwargs)
         return backend.exit(
-            backend_fn, module, query, key, value, attention_mask, exit_logits, causal, **kwargs
+            ExitCall(backend_fn, module, query, key, value, attention_mask, exit_logits, causal, kwargs)
         )
 
     parts = None if hooks is None else hooks.parts

@@ -79,7 +79,7 @@ def serves(
     ):
         return False
     combination = Combination(
-        dtype=str(query.dtype),
+        dtype=query.dtype,
         head_dim=query.shape[-1],
         heads=query.shape[1],
         kv_heads=key.shape[1],
@@ -301,7 +301,7 @@ def _check(combination: Combination, device: torch.device) -> str | None:
     (`key_parts.against_definition`); then forward alone without gradients (the kernel that inference
     compiles), on them and on the last 64 queries (a short chunk, which flex may run with another kernel). With
     the exit, a padding mask and rows' offsets where the combination has them. None if all agree, else why."""
-    tolerance = first_use.tolerance(getattr(torch, combination.dtype.removeprefix("torch.")))
+    tolerance = first_use.tolerance(combination.dtype)
     bands, visible, exit_logits, shift = _sample(combination, device)
 
     def run(chunk=bands, rows=visible):
@@ -350,19 +350,15 @@ def _definition(bands, visible, shift) -> list[KeyPart]:
 def _sample(combination: Combination, device: torch.device):
     """The check's input: a band per part of the layout (their q, k, v taking gradients), the mask or None, the
     exit's logits, the rows' offsets or None."""
-    dtype = getattr(torch, combination.dtype.removeprefix("torch."))
-    generator = torch.Generator().manual_seed(0)
+    sample = first_use.Sampler(combination.dtype, device)
     heads, kv_heads, dim = combination.heads, combination.kv_heads, combination.head_dim
-    q_len, k_len, spread = 400, 600, 3 / math.sqrt(math.sqrt(dim))
-
-    def sample(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=generator) * scale).to(device, dtype).requires_grad_()
+    q_len, k_len, spread = 400, 600, first_use.sharp(dim)
 
     value = sample(1, kv_heads, k_len, dim)
     bands = [
         Band(
-            sample(1, heads, q_len, dim, scale=spread),
-            sample(1, kv_heads, k_len, dim, scale=spread),
+            sample(1, heads, q_len, dim, spread=spread),
+            sample(1, kv_heads, k_len, dim, spread=spread),
             value,
             Part(lo, hi, At(), At(), unit),
         )

@@ -102,7 +102,7 @@ class Combination(NamedTuple):
     """What a key-parts path's first-use check covers (the CPU's fused parts here, CUDA's flex in
     `hf_attnscale.core.parts.flex_parts`): one verdict per combination."""
 
-    dtype: str
+    dtype: torch.dtype
     head_dim: int
     heads: int
     kv_heads: int
@@ -149,7 +149,7 @@ def _combination(parts: Sequence[KeyPart], exit_logits: torch.Tensor | None) -> 
     ):
         return None
     return Combination(
-        dtype=str(first.query.dtype),
+        dtype=first.query.dtype,
         head_dim=first.query.shape[-1],
         heads=first.query.shape[1],
         kv_heads=first.key.shape[1],
@@ -321,36 +321,24 @@ def against_definition(
     tolerance: float,
 ) -> str | None:
     """A fast path's check: ``run()`` (its output over ``parts``, whose q, k, v take gradients, as the exit's
-    logits do) against `plain_parts` in float64, forward and backward; None if they agree, else why not (any
-    error of the kernel or the compiler included)."""
+    logits do) against `plain_parts` in float64, forward and backward (`first_use.against`)."""
+    leaves = tuple(t for part in parts for t in part[:3]) + (
+        (exit_logits,) if exit_logits is not None else ()
+    )
 
-    def compared() -> str | None:
-        leaves = [t for part in parts for t in part[:3]] + ([exit_logits] if exit_logits is not None else [])
-        got = run()
-        if got is None:
-            return "torch.compile's recompile limit was reached"
-        cotangent = torch.randn(got.shape, generator=torch.Generator().manual_seed(1)).to(got)
-        got_grads = torch.autograd.grad(got, leaves, cotangent)
+    def definition() -> torch.Tensor:
         doubles = [KeyPart(*(t.double() for t in part[:3]), part.visible) for part in parts]
-        plain = plain_parts(doubles, None if exit_logits is None else exit_logits.double(), scaling)
-        plain_grads = torch.autograd.grad(plain, leaves, cotangent.double())
-        names = ("output", *(f"{g}{i}" for i in range(len(parts)) for g in ("dq", "dk", "dv")), "dexit")
-        return first_use.compare(
-            (got, *got_grads), (plain, *plain_grads), names[: 1 + len(leaves)], tolerance
-        )
+        return plain_parts(doubles, None if exit_logits is None else exit_logits.double(), scaling)
 
-    return first_use.reason(compared)
+    names = ("output", *(f"{g}{i}" for i in range(len(parts)) for g in ("dq", "dk", "dv")), "dexit")
+    return first_use.against(run, definition, leaves, names, tolerance)
 
 
 def _sample(combination: Combination) -> tuple[list[KeyPart], torch.Tensor | None]:
     """The check's input: the parts (their q, k, v taking gradients) and the exit's logits."""
-    dtype = getattr(torch, combination.dtype.removeprefix("torch."))
-    generator = torch.Generator().manual_seed(0)
+    sample = first_use.Sampler(combination.dtype)
     batch, heads, dim = 2 if combination.batched else 1, combination.heads, combination.head_dim
-    queries, spread = 80, 3 / math.sqrt(math.sqrt(dim))
-
-    def sample(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=generator) * scale).to(dtype).requires_grad_()
+    queries, spread = 80, first_use.sharp(dim)
 
     parts = []
     for index, mask in enumerate(combination.masks):
@@ -358,13 +346,13 @@ def _sample(combination: Combination) -> tuple[list[KeyPart], torch.Tensor | Non
         visible = None
         if mask is not None:
             shape = (batch if mask[0] else 1, heads if mask[1] else 1, queries, keys)
-            visible = torch.rand(shape, generator=generator) < 0.7
+            visible = torch.rand(shape, generator=sample.generator) < 0.7
             visible[..., index :: len(combination.masks), :] = False  # rows that see no key of this part
             if combination.exit and all(combination.masks):
                 visible[..., -1, :] = False  # a row that sees the exit only
-        key = sample(batch, combination.kv_heads, keys, dim, scale=spread)
+        key = sample(batch, combination.kv_heads, keys, dim, spread=spread)
         value = sample(batch, combination.kv_heads, keys, dim)
-        parts.append(KeyPart(sample(batch, heads, queries, dim, scale=spread), key, value, visible))
+        parts.append(KeyPart(sample(batch, heads, queries, dim, spread=spread), key, value, visible))
     # the exit's logits near the rows' log-sum-exp: beside a part without a mask no row sees the exit alone, and
     # an exit of no weight would leave its gradient all rounding
     keys = sum(part.key.shape[2] for part in parts)
