@@ -246,7 +246,7 @@ LOCAL_AND_GLOBAL = {  # a local layer and a global one, its window (7) past ever
 @pytest.mark.parametrize("method", list(METHODS))
 @pytest.mark.parametrize("model", list(LOCAL_AND_GLOBAL))
 def test_decoding_through_layers_of_other_keys_or_frequencies_equals_the_whole_forward(model, method):
-    """A forward's layers share the step's cos/sin (`turns.shared_by_layers`) only where they have the same
+    """A forward's layers share the step's cos/sin (`memo.shared_by_layers`) only where they have the same
     frequencies and as many keys: each step of a left-padded batch equals the whole sequence's logits, which equal
     the reference's; in float64, where the sharp logits amplify float32's rounding."""
     model_type, overrides = LOCAL_AND_GLOBAL[model]
@@ -307,7 +307,7 @@ def test_a_step_reads_no_cos_sin_made_in_another_forward(method):
     """Steps of the same length through one ``position_ids`` tensor, rewritten in place for each: two batches
     padded apart, then the model's RoPE frequencies changed in place, then another model of other frequencies;
     under inference mode, where no tensor counts its changes. Each step equals its whole forward: a forward's
-    cos/sin serve its own later layers only (`turns.shared_by_layers`)."""
+    cos/sin serve its own later layers only (`memo.shared_by_layers`)."""
     models = [hfa.patch(sharp_model("llama", rope_theta=theta), **METHODS[method]) for theta in (100.0, 37.0)]
     first, other = models
     token = torch.tensor([[5], [7]])
@@ -334,7 +334,7 @@ def test_a_step_reads_no_cos_sin_made_in_another_forward(method):
 @pytest.mark.parametrize("method", list(METHODS))
 def test_a_decoding_step_makes_its_cos_sin_once_not_in_every_layer(method, monkeypatch):
     """Self-Extend's and DCA's steps turn keys by cos/sin of the step's positions alone, and rotate the new token
-    at the store by others: the first layer makes them, the later layers read them (`turns.shared_by_layers`),
+    at the store by others: the first layer makes them, the later layers read them (`memo.shared_by_layers`),
     so that a step of 4 layers computes as many as a step of 1."""
     made = []
     cos_sin = RotaryFrequencies.cos_sin

@@ -319,8 +319,8 @@ def test_packed_sequences_equal_each_alone(attn, option, monkeypatch):
     first, second = torch.randint(3, SHARP_VOCAB, (1, 9)), torch.randint(3, SHARP_VOCAB, (1, 7))
     positions = torch.cat([torch.arange(9), torch.arange(7)])[None]
     checked = []
-    remember = prefill._CHECKED.remember
-    monkeypatch.setattr(prefill._CHECKED, "remember", lambda *args: checked.append(args) or remember(*args))
+    jumps = prefill._jumps
+    monkeypatch.setattr(prefill, "_jumps", lambda *args: checked.append(args) or jumps(*args))
     with torch.no_grad():
         packed = model(torch.cat([first, second], 1), position_ids=positions, use_cache=False).logits
         alone = torch.cat([model(first).logits, model(second).logits], 1)
@@ -404,8 +404,8 @@ def test_a_forwards_positions_are_checked_once_per_mask(monkeypatch):
     model = zoo_model("gemma3_text", "sdpa", num_hidden_layers=4, layer_types=types, sliding_window=6)
     hfa.patch(model, **OPTIONS["rerope"])
     checked = []
-    remember = prefill._CHECKED.remember
-    monkeypatch.setattr(prefill._CHECKED, "remember", lambda *args: checked.append(args) or remember(*args))
+    jumps = prefill._jumps
+    monkeypatch.setattr(prefill, "_jumps", lambda *args: checked.append(args) or jumps(*args))
     with torch.no_grad():
         model(**sharp_inputs(vocab=min(model.config.vocab_size, 100)))
     assert len(checked) == 2

@@ -22,6 +22,7 @@ import torch
 
 from hf_attnscale.core.call.hooks import Execution
 from hf_attnscale.core.call.masks import chunk_visible
+from hf_attnscale.core.call.memo import shared_by_layers
 from hf_attnscale.core.call.rope import CosSin, RotaryFrequencies
 from hf_attnscale.core.options.declare import RAW, Method
 from hf_attnscale.core.parts import key_parts
@@ -29,7 +30,6 @@ from hf_attnscale.core.parts.key_parts import KeyPart
 from hf_attnscale.core.parts.turns import (
     PartsRotation,
     distance_rows,
-    shared_by_layers,
     step_positions,
     table_rows,
 )

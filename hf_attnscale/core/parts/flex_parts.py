@@ -19,7 +19,6 @@ raises rather than running flex uncompiled, which would hold every score, and ta
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ import torch._dynamo
 
 from hf_attnscale.core.call import first_use
 from hf_attnscale.core.call.masks import softmax_scale
+from hf_attnscale.core.call.memo import memoize
 from hf_attnscale.core.options.declare import At, Method, Part
 from hf_attnscale.core.parts.key_parts import Combination, KeyPart, against_definition, merge, plain_parts
 
@@ -167,7 +167,7 @@ LIMIT_WARNING = (
 )
 
 
-@functools.cache
+@memoize()
 def _kernel(device_type: str) -> Callable:
     """``(q, k, v, block_mask, scale, gqa) -> (output, log-sum-exp)`` of one band through flex_attention: compiled
     whole, with dynamic shapes, in a function of its own, so its recompile budget is its own and hitting it
@@ -213,7 +213,7 @@ def band_block_mask(
     return _band(q_len, k_len, lo, hi, visible, device, unit, reach, shift)
 
 
-@functools.lru_cache(maxsize=16)
+@memoize(maxsize=16)
 def _cached_band(q_len, k_len, lo, hi, device, unit, reach):
     """Every layer of a forward asks for the same few bands."""
     return _band(q_len, k_len, lo, hi, None, device, unit, reach, None)

@@ -17,13 +17,13 @@ Both read the call's queries and keys turned at each part's positions (`Prefill`
 
 from __future__ import annotations
 
-import weakref
 from typing import NamedTuple
 
 import torch
 
 from hf_attnscale.core.call.hooks import Execution
 from hf_attnscale.core.call.masks import chunk_visible, visible_entries
+from hf_attnscale.core.call.memo import shared_by_layers
 from hf_attnscale.core.options.declare import Method, Part
 from hf_attnscale.core.parts import flex_parts, key_parts
 from hf_attnscale.core.parts.flex_parts import Band
@@ -123,7 +123,7 @@ def prefill(
     q_len, k_len = query.shape[2], key.shape[2]
     past = k_len - q_len
     # positions that jump (PoSE's, no cache): every pair at the positions themselves, whatever the method
-    jumps = check_positions(method, position_ids, mask, past, kept=call.kept)
+    jumps = check_positions(method, position_ids, mask, past, kept=call.kept, layer=call.layer)
     positions = position_ids if jumps else None
     shift = None if method.by_distance or positions is not None else row_offsets(position_ids, past)
     chosen = [e for e in EXECUTIONS if e.serves(call, run, query, key, value, mask, shift, positions)]
@@ -261,6 +261,7 @@ def check_positions(
     mask: torch.Tensor | None,
     past: int,
     kept: bool = False,
+    layer: int | None = None,
 ) -> bool:
     """Whether a call's ``position_ids`` ``(B|1, Tq)`` (the model's, for its queries, the cache's last ``Tq`` keys
     after ``past``) jump forward within what a query sees, as PoSE's skips do, in a call with no keys before it
@@ -270,9 +271,9 @@ def check_positions(
     distances counts them in the cache, and would score such a pair at another distance than the model's; and
     where, running on by one, a method of positions would take each row's offset at its highest position, so
     every real query of a row must share it (packed sequences are refused). Keys that ``mask`` hides do not
-    count, nor do padding queries (they do not see themselves). Checked once per ``position_ids`` and ``mask`` (a
-    forward's layers share them), with one wait on the device; not under torch.compile, nor for the keys before
-    the call."""
+    count, nor do padding queries (they do not see themselves). Checked once per ``position_ids`` and ``mask`` in
+    a forward (its layers share them: `shared_by_layers`, ``layer`` the asking layer's index), with one wait on
+    the device; not under torch.compile, nor for the keys before the call."""
     if (
         position_ids is None
         or position_ids.dim() != 2
@@ -280,9 +281,18 @@ def check_positions(
         or torch.compiler.is_compiling()
     ):
         return False
-    seen_before = _CHECKED.verdict(position_ids, mask, (past, kept))
-    if seen_before is not None:
-        return seen_before
+    return shared_by_layers(
+        layer,
+        ("positions checked", method, past, kept),
+        (position_ids, mask),
+        lambda: _jumps(method, position_ids, mask, past, kept),
+    )
+
+
+def _jumps(
+    method: Method, position_ids: torch.Tensor, mask: torch.Tensor | None, past: int, kept: bool
+) -> bool:
+    """`check_positions`' verdict, found on the device."""
     q_len, device = position_ids.shape[-1], position_ids.device
     # a position less its index: the same along what a query sees, where the positions run on by one
     offsets = position_ids - torch.arange(q_len, device=device)
@@ -336,35 +346,4 @@ def check_positions(
                 else "; packed sequences are not served (each row must be one sequence)."
             )
         )
-    _CHECKED.remember(position_ids, mask, (past, kept), jumps)
     return jumps
-
-
-class _Checked:
-    """The last few ``position_ids`` and masks checked, held weakly, with the call's ``past`` and ``kept`` and their
-    verdict (whether they jump), so that a forward's layers check them once; replaced as one tuple, so that threads
-    only ever check again."""
-
-    KEPT = 4
-
-    def __init__(self) -> None:
-        self._entries: tuple[tuple[weakref.ref, weakref.ref | None, tuple, bool], ...] = ()
-
-    def verdict(self, position_ids: torch.Tensor, mask: torch.Tensor | None, call: tuple) -> bool | None:
-        for positions, masked, of_call, jumps in self._entries:
-            if (
-                positions() is position_ids
-                and (masked is None if mask is None else masked is not None and masked() is mask)
-                and of_call == call
-            ):
-                return jumps
-        return None
-
-    def remember(
-        self, position_ids: torch.Tensor, mask: torch.Tensor | None, call: tuple, jumps: bool
-    ) -> None:
-        entry = (weakref.ref(position_ids), None if mask is None else weakref.ref(mask), call, jumps)
-        self._entries = (entry, *self._entries[: self.KEPT - 1])
-
-
-_CHECKED = _Checked()

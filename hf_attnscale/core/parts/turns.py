@@ -3,17 +3,17 @@
 places a call's queries and keys sit at (`row_offsets`, `step_positions`).
 
 Every layer of one forward computes them alike from the call's positions alone, so the first layer makes them and
-the later ones read them (`shared_by_layers`).
+the later ones read them (`hf_attnscale.core.call.memo.shared_by_layers`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from hf_attnscale.core.call.memo import shared_by_layers
 from hf_attnscale.core.call.rope import CosSin, RotaryFrequencies, RotateFn
 from hf_attnscale.core.options.declare import MOVING, RAW, At, Method
 
@@ -41,50 +41,6 @@ class PartsRotation:
     positions: torch.Tensor | None = None
     layer: int | None = None
     kept: bool = False
-
-
-class _SharedByLayers:
-    """What every layer of one forward computes alike from the call's positions (`shared_by_layers`): the last
-    few, each with the ``(static, tensors)`` it was made for and the last layer that read it; replaced as one
-    tuple, so that threads only ever make one again."""
-
-    KEPT = 4
-
-    def __init__(self) -> None:
-        self._entries: tuple[tuple[tuple, tuple, int, Any], ...] = ()
-
-    def get(self, layer: int | None, static: tuple, tensors: tuple, make: Callable[[], Any]) -> Any:
-        if layer is None or torch.compiler.is_compiling():
-            return make()  # a graph computes it itself (it fuses it), as a layer with no index does
-        entries = self._entries
-        for index, (kept, held, last, value) in enumerate(entries):
-            if kept == static and all(a is b for a, b in zip(held, tensors)):
-                if layer > last:  # a later layer of the same forward
-                    self._entries = ((kept, held, layer, value), *entries[:index], *entries[index + 1 :])
-                    return value
-                entries = entries[:index] + entries[index + 1 :]  # another forward: made again
-                break
-        value = make()
-        self._entries = ((static, tensors, layer, value), *entries[: self.KEPT - 1])
-        return value
-
-
-_SHARED = _SharedByLayers()
-
-
-def shared_by_layers(layer: int | None, static: tuple, tensors: tuple, make: Callable[[], Any]) -> Any:
-    """``make()``, which depends only on ``static`` (hashable: lengths, dtype, device...) and on ``tensors`` (the
-    call's ``position_ids``, the rotary's ``inv_freq``; None where absent), made by the first layer of a forward
-    that asks and read by its later ones (``layer``: the asking layer's index; None: made for it alone).
-
-    A forward's layers pass the same tensor objects, and run in the order of their indices; an entry serves a
-    layer after the last one that read it, for the same ``static`` and the same tensor objects (compared by
-    identity: no value is read, so nothing waits on the device). A layer at or before it starts another
-    forward, which makes it again: so a new step, a tensor changed in place between forwards (an inference
-    tensor counts no changes), a rotary replaced, or another model's rotary, never reads what was made before.
-    Under torch.compile the graph computes it in each layer (it fuses it into its kernels). Kept: the last
-    `_SharedByLayers.KEPT` (one layer's cos/sin each, at most a part's reach of keys)."""
-    return _SHARED.get(layer, static, tensors, make)
 
 
 def at_store(
