@@ -98,9 +98,8 @@ def sdpa_exit_attention(call: ExitCall) -> torch.Tensor:
     dim, dim_v, q_len = query.shape[-1], value.shape[-1], query.shape[2]
     multiple = width_multiple(query.device)
     width = -(-max(dim + EXIT_CHANNELS, dim_v) // multiple) * multiple
-    scaling = (
-        dim**-0.5 if call.scaling is None else call.scaling
-    )  # sdpa's default would read the padded width
+    # sdpa's default would read the padded width
+    scaling = dim**-0.5 if call.scaling is None else call.scaling
     dummy = int(causal and mask is None and q_len > 1)
 
     logit = exit_logits.float().view(1, -1, 1) / scaling  # (1, H, 1)

@@ -3,7 +3,7 @@
 parts (`hf_attnscale.core.parts.flex_parts`).
 
 Each combination of shapes and options a path would serve runs once, at its first use, forward and backward on a
-sharp input (`sampler`) against a reference (`against`; the exit: its public formulation; key parts and bands:
+sharp input (`Sampler`) against a reference (`against`; the exit: its public formulation; key parts and bands:
 the plain formula in float64). A mismatch or an error gives one warning, and that combination takes the public
 formulation for the rest of the process. Each path says only what its sample holds and what its reference is.
 """
